@@ -1,0 +1,184 @@
+"""The Agent: one object that owns a model, a managed KV store and a cache policy, and runs turns.
+
+A turn reads as observe -> recall -> prefill -> decode -> remember:
+- observe: number the turn and assign its segment (the topic classifier plugs in here);
+- recall: bring back archived history (the long-term store plugs in here);
+- prefill: the user's words and the assistant header, evicting as needed;
+- decode: stream the reply;
+- remember: pre-warm the next turn's fixed header so its time to first token covers only the user's words.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from agent.chat_format import ChatFormat
+from agent.engine import SamplingConfig, decode, forward_all, prefill
+from agent.model import EMBEDDED, LoadedModel, load_model
+from cache.policies import PolicyConfig, make_policy
+from cache.store import KVStore
+
+
+@dataclass
+class AgentConfig:
+    model: str = EMBEDDED
+    device: str = "auto"
+    dtype: str = "float32"
+    weights: str = "float"  # or "int8" (CPU)
+    policy: str = "sink"
+    budget_tokens: int | None = 1024
+    sink_tokens: int = 4
+    system: str | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class Turn:
+    index: int
+    text: str
+    segment: int
+
+
+@dataclass
+class TurnTiming:
+    ttft_ms: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Agent:
+    def __init__(self, loaded: LoadedModel, config: AgentConfig | None = None):
+        self.loaded = loaded
+        self.config = config or AgentConfig()
+        self.format = ChatFormat.from_tokenizer(loaded.tokenizer)
+        self.policy = make_policy(
+            self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens)
+        )
+        self.reset()
+
+    @classmethod
+    def from_pretrained(cls, config: AgentConfig | None = None) -> "Agent":
+        config = config or AgentConfig()
+        return cls(load_model(config.model, config.device, config.dtype, config.weights), config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    def reset(self) -> None:
+        """Forget the conversation: a fresh store holding only the system prompt and first user header."""
+        self.store = KVStore.for_model(self.model)
+        self.store.recording = self.policy.needs_importance
+        self.turn_index = 0
+        self.timing = TurnTiming()
+        self.last_logits = self._feed(self.format.system_prompt(self.config.system), turn=-1, role="system", segment=-1)
+
+    # --- the turn ---------------------------------------------------------------------------------
+    def stream(self, text: str) -> Iterator[str]:
+        started = time.perf_counter()
+        turn = self.observe(text)
+        self.recall(turn)
+        logits = self.prefill_user(turn)
+        ids: list[int] = []
+        shown = ""
+        first_at = None
+        for token in decode(self.model, self.store, self.policy, logits, self.format.end_of_turn,
+                            self.config.sampling, turn.index, turn.segment):
+            if first_at is None:
+                first_at = time.perf_counter()
+                self.timing = TurnTiming(ttft_ms=(first_at - started) * 1000)
+            ids.append(token)
+            text_so_far = self.format.decode(ids)
+            if len(text_so_far) > len(shown) and not text_so_far.endswith("\ufffd"):
+                yield text_so_far[len(shown):]
+                shown = text_so_far
+        if first_at is not None:
+            self.timing.decode_tokens = len(ids) - 1
+            self.timing.decode_s = time.perf_counter() - first_at
+        else:
+            self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
+        self.remember(turn)
+
+    def chat(self, text: str) -> str:
+        return "".join(self.stream(text))
+
+    def observe(self, text: str) -> Turn:
+        """Number the turn and choose its segment. Each turn is its own segment until a topic classifier
+        groups turns into topic segments."""
+        turn = Turn(self.turn_index, text, segment=self.turn_index)
+        self.turn_index += 1
+        return turn
+
+    def recall(self, turn: Turn) -> None:
+        """Re-inject archived history relevant to this turn. No long-term store is attached yet."""
+
+    def prefill_user(self, turn: Turn) -> torch.Tensor:
+        self.last_logits = self._feed(self.format.user_message(turn.text), turn.index, "user", turn.segment)
+        return self.last_logits
+
+    def remember(self, turn: Turn) -> None:
+        """Pre-warm: feed the reply's closing and the next user header now, off the next turn's clock."""
+        self._feed(self.format.next_user_header(), turn.index + 1, "user", turn.segment)
+
+    def _feed(self, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
+        return prefill(self.model, self.store, self.policy, ids, turn, role, segment)
+
+    # --- scripted dialogues (teacher forcing) and choice scoring ------------------------------------------
+    def user_turn(self, text: str) -> Turn:
+        """Observe, recall and prefill a user message without replying; returns the turn (timing.ttft_ms
+        holds the time to the first token's logits)."""
+        started = time.perf_counter()
+        turn = self.observe(text)
+        self.recall(turn)
+        self.prefill_user(turn)
+        self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
+        return turn
+
+    def reference_reply(self, turn: Turn, text: str) -> None:
+        """Feed a scripted assistant reply as history, then pre-warm the next turn."""
+        self._feed(self.format.assistant_reply(text), turn.index, "assistant", turn.segment)
+        self.remember(turn)
+
+    def score(self, choices: list[str]) -> list[float]:
+        """Total log-probability of each choice as the assistant's reply, from the cache as it is now.
+        The store is left exactly as it was: choices are appended, scored and cropped off, with
+        importance recording frozen."""
+        length = self.store.length
+        first = torch.log_softmax(self.last_logits, dim=-1)
+        scores = []
+        self.store.frozen = True
+        try:
+            for choice in choices:
+                ids = self.format.assistant_reply(choice) + self.format.next_user_header()[:1]
+                total = float(first[ids[0]])
+                if len(ids) > 1:
+                    self.store.expect(len(ids) - 1, self.turn_index, "assistant", -1)
+                    logprobs = torch.log_softmax(forward_all(self.model, self.store, ids[:-1]), dim=-1)
+                    total += float(logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None]).sum())
+                    self.store.truncate(length)
+                scores.append(total)
+        finally:
+            self.store.frozen = False
+        return scores
+
+    # --- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        meta = self.store.meta
+        return {
+            "kv_tokens": self.store.length,
+            "kv_bytes": self.store.memory_bytes(),
+            "policy": self.policy.name,
+            "budget": self.policy.budget,
+            "pinned_tokens": int(meta.pinned.sum()),
+            "turns": self.turn_index,
+            "ttft_ms": round(self.timing.ttft_ms, 2),
+            "decode_tok_s": round(self.timing.decode_tok_s, 2),
+        }

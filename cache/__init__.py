@@ -1,0 +1,1 @@
+"""Managed KV cache: storage, metadata, re-rotation, importance and eviction policies."""

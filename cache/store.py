@@ -1,0 +1,159 @@
+"""The managed KV store: per-layer keys/values (GQA: only the model's KV heads) plus per-token metadata,
+plugged into transformers' Cache API so `model(ids, past_key_values=store)` works.
+
+Token lifecycle: the engine declares the tokens it is about to feed (`expect`), the model's attention
+layers append their keys/values through `update`, and a policy later chooses which tokens to `keep`.
+Compaction re-rotates the kept keys so positions stay contiguous (0..len-1), which is why a plain causal
+mask is always right and the next token's position is simply `len(store)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from cache.rope import Rerotator
+from cache.storage import ContiguousStorage, LayerStorage
+
+ROLES = {"system": 0, "user": 1, "assistant": 2}
+
+
+@dataclass
+class TokenMeta:
+    """Column-wise metadata, one entry per cached token, always aligned with the tensors."""
+
+    segment: torch.Tensor  # long: topic segment id
+    turn: torch.Tensor  # long: dialogue turn (-1 = system prompt)
+    role: torch.Tensor  # long: ROLES
+    position: torch.Tensor  # long: RoPE position the key is rotated to
+    pinned: torch.Tensor  # bool: never evicted while pinned
+    importance: torch.Tensor  # float: accumulated attention mass received
+
+    @classmethod
+    def empty(cls) -> "TokenMeta":
+        long = torch.zeros(0, dtype=torch.long)
+        return cls(long, long, long, long, torch.zeros(0, dtype=torch.bool), torch.zeros(0))
+
+    @classmethod
+    def new(cls, count: int, start: int, turn: int, role: str, segment: int) -> "TokenMeta":
+        full = lambda value: torch.full((count,), value, dtype=torch.long)  # noqa: E731
+        return cls(full(segment), full(turn), full(ROLES[role]), torch.arange(start, start + count),
+                   torch.zeros(count, dtype=torch.bool), torch.zeros(count))
+
+    def __len__(self) -> int:
+        return self.turn.numel()
+
+    def cat(self, other: "TokenMeta") -> "TokenMeta":
+        return TokenMeta(*(torch.cat((getattr(self, f.name), getattr(other, f.name))) for f in fields(self)))
+
+    def select(self, index: torch.Tensor) -> "TokenMeta":
+        return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def head(self, length: int) -> "TokenMeta":
+        return TokenMeta(*(getattr(self, f.name)[:length] for f in fields(self)))
+
+    def state(self) -> dict:
+        return {f.name: getattr(self, f.name).clone() for f in fields(self)}
+
+
+class ManagedLayer(CacheLayerMixin):
+    """Adapter from transformers' per-layer cache protocol to one LayerStorage."""
+
+    is_croppable = True
+
+    def __init__(self, storage: LayerStorage):
+        super().__init__()
+        self.storage = storage
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self.storage.update_and_fetch(key_states, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.storage.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.storage.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.storage.truncate(self.storage.length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove)
+
+    def reset(self) -> None:
+        self.storage.truncate(0)
+
+
+class KVStore(Cache):
+    """All layers' KV plus token metadata. `recording` turns on importance accumulation."""
+
+    def __init__(self, num_layers: int, rerotator: Rerotator, storage: Callable[[], LayerStorage] = ContiguousStorage):
+        super().__init__(layers=[ManagedLayer(storage()) for _ in range(num_layers)])
+        self.rerotator = rerotator
+        self.meta = TokenMeta.empty()
+        self.recording = False
+        self.frozen = False  # while scoring a fork: no importance, metadata untouched
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, storage: Callable[[], LayerStorage] = ContiguousStorage) -> "KVStore":
+        return cls(model.config.num_hidden_layers, Rerotator.from_model(model), storage)
+
+    @property
+    def length(self) -> int:
+        """Tokens held (the same in every layer)."""
+        return self.layers[0].storage.length
+
+    # --- feeding -------------------------------------------------------------------------------
+    def expect(self, count: int, turn: int, role: str, segment: int) -> None:
+        """Declare the metadata of the next `count` tokens, before the forward that appends them."""
+        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment))
+
+    def add_importance(self, layer_idx: int, mass: torch.Tensor) -> None:
+        """Called by the attention function with [kv_heads, kv_len] attention mass for one layer."""
+        if self.frozen:
+            return
+        mass = mass.sum(dim=0).to(self.meta.importance.device)
+        self.meta.importance[: mass.numel()] += mass
+
+    # --- compaction -------------------------------------------------------------------------------
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
+        positions become 0..len-1 again."""
+        index = torch.unique(index.to(torch.long).cpu())  # sorted, deduplicated
+        if index.numel() == self.length:
+            return
+        new_meta = self.meta.select(index)
+        delta = torch.arange(index.numel()) - new_meta.position
+        for layer in self.layers:
+            keys, values = layer.storage.fetch()
+            device_index = index.to(keys.device)
+            kept_keys = keys.index_select(2, device_index)
+            moved = delta != 0
+            if bool(moved.any()):
+                kept_keys = self.rerotator.shift(kept_keys, delta)
+            layer.storage.replace(kept_keys, values.index_select(2, device_index))
+        new_meta.position = torch.arange(index.numel())
+        self.meta = new_meta
+
+    def truncate(self, length: int) -> None:
+        """Crop back to the first `length` tokens (used after scoring a fork)."""
+        for layer in self.layers:
+            layer.storage.truncate(length)
+        self.meta = self.meta.head(length)
+
+    def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
+        self.meta.pinned[index] = pinned
+
+    def memory_bytes(self) -> int:
+        return sum(layer.storage.nbytes() for layer in self.layers)
+
+    def state(self) -> dict:
+        return {"meta": self.meta.state(), "layers": [layer.storage.state() for layer in self.layers]}

@@ -1,0 +1,1 @@
+"""Classifiers that steer cache decisions: topic boundaries and referents (later issues)."""

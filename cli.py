@@ -1,0 +1,126 @@
+"""`palace`: chat with the agent, inspect the model, evaluate and benchmark cache policies."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="memory-palace: a chat agent that manages its KV cache like memory.")
+
+ModelOpt = typer.Option("embedded", "--model", help="'embedded' (SmolLM2-135M) or a local Hugging Face model directory.")
+DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda or auto.")
+DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+WeightsOpt = typer.Option("float", "--weights", help="float, or int8 (dynamic int8 linear layers, CPU).")
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+def parse_budget(text: str | None) -> int | None:
+    if text is None or text.lower() in ("none", "full"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"--budget must be a token count like 1024, got {text!r}") from None
+    if value < 16:
+        raise UserError(f"--budget must be at least 16 tokens, got {value}")
+    return value
+
+
+@app.command()
+def chat(
+    model: str = ModelOpt,
+    policy: str = typer.Option("sink", help="full, window, sink or h2o."),
+    budget: Optional[str] = typer.Option("1024", help="KV budget in tokens, or 'none'."),
+    max_new_tokens: int = typer.Option(128, min=1),
+    temperature: float = typer.Option(0.0, min=0.0),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
+    top_k: int = typer.Option(0, min=0),
+    seed: int = typer.Option(0),
+    system: Optional[str] = typer.Option(None, help="System prompt."),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    weights: str = WeightsOpt,
+) -> None:
+    """Chat in the terminal. Commands: /stats, /reset, /quit. Piped stdin: one message per line."""
+    from agent import Agent, AgentConfig, SamplingConfig
+
+    config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
+                         budget_tokens=parse_budget(budget), system=system,
+                         sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
+    agent = Agent.from_pretrained(config)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        typer.echo(f"{agent.loaded.name} · policy {policy} · budget {config.budget_tokens}. /stats /reset /quit")
+    while True:
+        if interactive:
+            typer.echo("you> ", nl=False)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        message = line.strip()
+        if not message:
+            continue
+        if message == "/quit":
+            break
+        if message == "/reset":
+            agent.reset()
+            typer.echo("(conversation reset)")
+            continue
+        if message == "/stats":
+            typer.echo(" ".join(f"{key}={value}" for key, value in agent.stats().items()))
+            continue
+        typer.echo("palace> ", nl=False)
+        for piece in agent.stream(message):
+            typer.echo(piece, nl=False)
+        typer.echo("")
+
+
+@app.command()
+def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) -> None:
+    """Model, device, dtype, layers, KV heads, head dim and bytes per cached token."""
+    from agent.model import load_model
+
+    loaded = load_model(model, device, dtype)
+    config = loaded.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = loaded.dtype.itemsize
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+    rows = {
+        "model": loaded.name,
+        "family": config.model_type,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "layers": config.num_hidden_layers,
+        "query_heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": head_dim,
+        "bytes_per_cached_token": per_token,
+        "bytes_per_token_without_gqa": per_token * config.num_attention_heads // config.num_key_value_heads,
+    }
+    for key, value in rows.items():
+        typer.echo(f"{key:28} {value}")
+
+
+def main() -> None:
+    """Entry point: every expected failure becomes one line on stderr, never a traceback."""
+    from agent.model import ModelError
+
+    try:
+        app()
+    except (UserError, ModelError, ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

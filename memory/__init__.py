@@ -1,0 +1,1 @@
+"""Long-term memory: archived KV, summaries and the entity graph (later issues)."""
