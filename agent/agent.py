@@ -19,8 +19,9 @@ import torch
 from agent.chat_format import ChatFormat
 from agent.engine import SamplingConfig, decode, forward_all, prefill
 from agent.model import EMBEDDED, LoadedModel, load_model
-from cache.policies import PolicyConfig, make_policy
-from cache.store import KVStore
+from cache.policies import HybridConfig, PolicyConfig, make_policy
+from cache.storage import make_storage
+from cache.store import ROLES, KVStore
 
 
 @dataclass
@@ -32,6 +33,9 @@ class AgentConfig:
     policy: str = "sink"
     budget_tokens: int | None = 1024
     sink_tokens: int = 4
+    kv_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 | int4 | fp8 | dynamic
+    paged: bool = False  # KV in fixed-size blocks from a pool
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
@@ -60,8 +64,10 @@ class Agent:
         self.config = config or AgentConfig()
         self.format = ChatFormat.from_tokenizer(loaded.tokenizer)
         self.policy = make_policy(
-            self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens)
+            self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens),
+            self.config.hybrid,
         )
+        self.storage = make_storage(self.config.kv_dtype, paged=self.config.paged)
         self.reset()
 
     @classmethod
@@ -75,8 +81,9 @@ class Agent:
 
     def reset(self) -> None:
         """Forget the conversation: a fresh store holding only the system prompt and first user header."""
-        self.store = KVStore.for_model(self.model)
+        self.store = KVStore.for_model(self.model, self.storage)
         self.store.recording = self.policy.needs_importance
+        self.store.measuring_surprisal = self.policy.needs_surprisal
         self.turn_index = 0
         self.timing = TurnTiming()
         self.last_logits = self._feed(self.format.system_prompt(self.config.system), turn=-1, role="system", segment=-1)
@@ -126,7 +133,7 @@ class Agent:
 
     def remember(self, turn: Turn) -> None:
         """Pre-warm: feed the reply's closing and the next user header now, off the next turn's clock."""
-        self._feed(self.format.next_user_header(), turn.index + 1, "user", turn.segment)
+        self._feed(self.format.next_user_header(), turn.index, "assistant", turn.segment)
 
     def _feed(self, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
         return prefill(self.model, self.store, self.policy, ids, turn, role, segment)
@@ -143,9 +150,9 @@ class Agent:
         return turn
 
     def reference_reply(self, turn: Turn, text: str) -> None:
-        """Feed a scripted assistant reply as history, then pre-warm the next turn."""
-        self._feed(self.format.assistant_reply(text), turn.index, "assistant", turn.segment)
-        self.remember(turn)
+        """Feed a scripted assistant reply as history and pre-warm the next turn, in one forward."""
+        ids = self.format.assistant_reply(text) + self.format.next_user_header()
+        self._feed(ids, turn.index, "assistant", turn.segment)
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice as the assistant's reply, from the cache as it is now.
@@ -169,6 +176,46 @@ class Agent:
             self.store.frozen = False
         return scores
 
+    def draft(self, turn: Turn, max_new_tokens: int) -> tuple[list[int], float]:
+        """Greedy reply from the current state, then cropped off so a scripted history can continue with
+        its reference reply; returns the ids and seconds spent decoding. Importance is not recorded for
+        tokens that will not stay; eviction the policy does while decoding stays, as it would in a chat."""
+        config = SamplingConfig(max_new_tokens=max_new_tokens)
+        started = time.perf_counter()
+        self.store.frozen = True
+        try:
+            ids = list(decode(self.model, self.store, self.policy, self.last_logits, self.format.end_of_turn,
+                              config, turn.index, turn.segment))
+        finally:
+            self.store.frozen = False
+        elapsed = time.perf_counter() - started
+        meta = self.store.meta
+        drafted = (meta.turn == turn.index) & (meta.role == ROLES["assistant"])  # the tail: no reply fed yet
+        self.store.truncate(self.store.length - int(drafted.sum()))
+        return ids, elapsed
+
+    # --- persistent markers -----------------------------------------------------------------------
+    def pin(self, text: str) -> int:
+        """Pin every cached occurrence of `text` (an order number, a preference) so no policy evicts it
+        while pinned. Pins count against the budget; returns how many tokens are now pinned for it."""
+        found = self._occurrences(text)
+        if found.numel() == 0:
+            raise ValueError(f"nothing to pin: {text!r} is not in the cache")
+        budget = self.policy.budget
+        total = int(self.store.meta.pinned.sum()) + int((~self.store.meta.pinned[found]).sum())
+        if budget is not None and total > budget // 2:
+            raise ValueError(f"pinning {text!r} would pin {total} tokens, over half the {budget}-token budget")
+        self.store.pin(found)
+        return found.numel()
+
+    def unpin(self, text: str | None = None) -> None:
+        """Release the pins on `text`, or all pins."""
+        self.store.pin(slice(None) if text is None else self._occurrences(text), pinned=False)
+
+    def _occurrences(self, text: str) -> torch.Tensor:
+        """Cached token indices of `text`, however it was tokenized (start of a line or after a space)."""
+        return torch.cat([self.store.find(self.format.words(form)) for form in (text, " " + text)]).unique()
+
     # --- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:
         meta = self.store.meta
@@ -177,7 +224,9 @@ class Agent:
             "kv_bytes": self.store.memory_bytes(),
             "policy": self.policy.name,
             "budget": self.policy.budget,
+            "kv_dtype": self.config.kv_dtype,
             "pinned_tokens": int(meta.pinned.sum()),
+            "tiers": {name: int(mask.sum()) for name, mask in self.policy.tiers(meta).items()},
             "turns": self.turn_index,
             "ttft_ms": round(self.timing.ttft_ms, 2),
             "decode_tok_s": round(self.timing.decode_tok_s, 2),

@@ -30,8 +30,11 @@ def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Ten
     start = store.length
     input_ids = torch.tensor([ids], device=device)
     positions = torch.arange(start, start + len(ids), device=device)[None]
-    out = model(input_ids=input_ids, position_ids=positions, cache=store, use_cache=True, logits_to_keep=1,
+    keep = 0 if store.measuring_surprisal else 1
+    out = model(input_ids=input_ids, position_ids=positions, cache=store, use_cache=True, logits_to_keep=keep,
                 kv_store=store)
+    if store.measuring_surprisal:
+        store.add_surprisal(ids, out.logits[0])
     return out.logits[0, -1].float()
 
 
@@ -53,7 +56,7 @@ def prefill(model, store: KVStore, policy: Policy, ids: list[int], turn: int, ro
     for start in range(0, len(ids), chunk):
         piece = ids[start : start + chunk]
         policy.make_room(store, len(piece))
-        store.expect(len(piece), turn, role, segment)
+        store.expect(len(piece), turn, role, segment, piece)
         logits = forward(model, store, piece)
     return logits
 
@@ -85,5 +88,5 @@ def decode(model, store: KVStore, policy: Policy, logits: torch.Tensor, stop: li
             return
         yield token
         policy.make_room(store, 1)
-        store.expect(1, turn, "assistant", segment)
+        store.expect(1, turn, "assistant", segment, [token])
         logits = forward(model, store, [token])

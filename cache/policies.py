@@ -29,6 +29,7 @@ class Policy:
 
     name = "base"
     needs_importance = False
+    needs_surprisal = False
 
     def __init__(self, config: PolicyConfig):
         if config.budget is not None and config.budget < 16:
@@ -50,6 +51,10 @@ class Policy:
 
     def promised(self, meta: TokenMeta, target: int) -> torch.Tensor:
         return torch.zeros(len(meta), dtype=torch.bool)
+
+    def tiers(self, meta: TokenMeta) -> dict[str, torch.Tensor]:
+        """Boolean masks of the tiers this policy manages (none for single-tier policies)."""
+        return {}
 
     def select(self, meta: TokenMeta, target: int) -> torch.Tensor:
         """Indices of the tokens to keep: pinned, then promised, then by score, `target` at most."""
@@ -113,10 +118,112 @@ class H2O(Policy):
         return promised
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sink, H2O)}
+@dataclass
+class HybridConfig:
+    """Tier shares of the budget (lent to each other when unused) and how the temporary tier is ranked."""
+
+    permanent_share: float = 0.10  # system prompt, profile, summary, pins: never evicted
+    hot_share: float = 0.30  # the last `hot_turns` turns, whole (LRU: the oldest is demoted first)
+    hot_turns: int = 4
+    granularity: str = "token"  # temporary tier evicted by "token" or by whole "segment"
+    score: str = "surprisal"  # temporary ranking: "attention" (H2O/SnapKV mass), "surprisal", or "mix"
+    context: int = 2  # tokens kept on each side of a kept temporary token, so a fact keeps its frame
 
 
-def make_policy(name: str, config: PolicyConfig) -> Policy:
+class Hybrid(Policy):
+    """Three tiers: permanent (never evicted), hot (recent whole turns) and temporary (older material
+    ranked by information: attention mass received and/or surprisal when it was fed). Unused share of
+    one tier is lent to the others; pins count against the budget."""
+
+    name = "hybrid"
+    needs_importance = True
+    needs_surprisal = True
+
+    def __init__(self, config: PolicyConfig, hybrid: HybridConfig | None = None):
+        super().__init__(config)
+        self.hybrid = hybrid or HybridConfig()
+        shares = self.hybrid.permanent_share + self.hybrid.hot_share
+        if not 0 < shares < 1 or min(self.hybrid.permanent_share, self.hybrid.hot_share) < 0:
+            raise ValueError("hybrid shares must be >= 0 and leave a temporary share above 0")
+        if self.hybrid.granularity not in ("token", "segment") or self.hybrid.score not in ("attention", "surprisal", "mix"):
+            raise ValueError(f"unknown hybrid granularity/score {self.hybrid.granularity!r}/{self.hybrid.score!r}")
+
+    def tiers(self, meta: TokenMeta) -> dict[str, torch.Tensor]:
+        """Boolean masks: which tokens belong to which tier (before any eviction decision)."""
+        permanent = (meta.turn < 0) | meta.pinned
+        recent_turns = torch.unique(meta.turn[~permanent])[-self.hybrid.hot_turns:]
+        hot = torch.isin(meta.turn, recent_turns) & ~permanent
+        return {"permanent": permanent, "hot": hot, "temporary": ~(permanent | hot)}
+
+    def scores(self, meta):
+        def normalised(values: torch.Tensor) -> torch.Tensor:
+            return values / values.max().clamp_min(1e-9) if values.numel() else values
+
+        attention, surprisal = normalised(meta.importance), normalised(meta.surprisal)
+        return {"attention": attention, "surprisal": surprisal, "mix": attention + surprisal}[self.hybrid.score]
+
+    def select(self, meta, target):
+        tiers = self.tiers(meta)
+        keep = tiers["permanent"].clone()  # never evicted, even past its share (reported in stats)
+        room = target - int(keep.sum())
+        temporary_share = int(target * (1 - self.hybrid.permanent_share - self.hybrid.hot_share))
+        hot_room = max(0, room - min(temporary_share, int(tiers["temporary"].sum())))
+        keep |= self._recent_whole_turns(meta, tiers["hot"], hot_room)
+        room = target - int(keep.sum())
+        if room > 0:
+            keep |= self._best_temporary(meta, ~keep, room)
+        return torch.nonzero(keep).flatten()
+
+    @staticmethod
+    def _recent_whole_turns(meta: TokenMeta, hot: torch.Tensor, room: int) -> torch.Tensor:
+        """The newest hot turns that fit whole; if even the newest does not fit, its most recent tokens."""
+        keep = torch.zeros_like(hot)
+        for turn in torch.unique(meta.turn[hot]).flip(0):
+            members = hot & (meta.turn == turn)
+            size = int(members.sum())
+            if size <= room:
+                keep |= members
+                room -= size
+            else:
+                if not keep.any():
+                    keep[torch.nonzero(members).flatten()[-room:] if room else []] = True
+                break
+        return keep
+
+    def _best_temporary(self, meta: TokenMeta, candidates: torch.Tensor, room: int) -> torch.Tensor:
+        """Fill `room` with the best-ranked candidates. Token granularity keeps each chosen token with
+        `context` neighbours (the largest top-k whose spans fit, found by bisection, then single tokens);
+        segment granularity ranks whole segments by their mean score."""
+        score = self.scores(meta)
+        if self.hybrid.granularity == "segment":
+            segment_ids, inverse = torch.unique(meta.segment, return_inverse=True)
+            totals = torch.zeros(segment_ids.numel()).index_add_(0, inverse, score)
+            counts = torch.zeros(segment_ids.numel()).index_add_(0, inverse, torch.ones_like(score))
+            score = (totals / counts)[inverse] - meta.position.float() * 1e-9  # whole segments, newest first
+        order = torch.argsort(score.masked_fill(~candidates, float("-inf")), descending=True)[: int(candidates.sum())]
+        width = 0 if self.hybrid.granularity == "segment" else self.hybrid.context
+
+        def spread(count: int) -> torch.Tensor:
+            chosen = torch.zeros(len(meta))
+            chosen[order[:count]] = 1.0
+            if width:
+                chosen = torch.nn.functional.max_pool1d(chosen[None, None], 2 * width + 1, 1, width)[0, 0]
+            return (chosen > 0) & candidates
+
+        low, high = 0, min(room, order.numel())
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if int(spread(middle).sum()) <= room else (low, middle - 1)
+        keep = spread(low)
+        rest = order[~keep[order]][: room - int(keep.sum())]
+        keep[rest] = True
+        return keep
+
+
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Full, Window, Sink, H2O, Hybrid)}
+
+
+def make_policy(name: str, config: PolicyConfig, hybrid: HybridConfig | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
-    return POLICIES[name](config)
+    return Hybrid(config, hybrid) if name == "hybrid" else POLICIES[name](config)

@@ -5,7 +5,8 @@ memory really held, and `state`/`from_state` save and restore it."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 import torch
 
@@ -90,3 +91,28 @@ class ContiguousStorage:
         if state["keys"] is not None:
             storage.replace(state["keys"], state["values"])
         return storage
+
+
+FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANT_KV = ("int8", "int4", "fp8")
+KV_DTYPES = (*FLOAT_KV, *QUANT_KV, "dynamic")
+
+
+def make_storage(kv_dtype: str, paged: bool = False, block_size: int = 16, residual: int = 32) -> Callable[[], LayerStorage]:
+    """A per-layer storage factory for KVStore (`KVStore.for_model(model, storage=make_storage("int8"))`).
+    Float kinds store in that dtype (contiguous, or paged in `block_size`-token blocks); int8/int4/fp8
+    quantize all but the newest `residual` tokens; `dynamic` is full -> int8 -> int4 by age. Paging is for
+    float kinds only: quantized tiers already hold whole token groups and reallocate per group."""
+    from cache.paged import PagedStorage
+    from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    if kv_dtype in FLOAT_KV:
+        dtype = FLOAT_KV[kv_dtype]
+        return partial(PagedStorage, dtype, block_size) if paged else partial(ContiguousStorage, dtype)
+    if paged:
+        raise ValueError(f"paged storage holds float kv dtypes only ({', '.join(FLOAT_KV)}), not {kv_dtype!r}")
+    if kv_dtype == "dynamic":
+        return partial(DynamicStorage, DynamicConfig(residual=residual))
+    return partial(QuantizedStorage, QuantConfig(kind=kv_dtype, residual=residual))

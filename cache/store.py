@@ -24,23 +24,27 @@ ROLES = {"system": 0, "user": 1, "assistant": 2}
 class TokenMeta:
     """Column-wise metadata, one entry per cached token, always aligned with the tensors."""
 
+    token: torch.Tensor  # long: token id (-1 when not given), for finding text to pin
     segment: torch.Tensor  # long: topic segment id
     turn: torch.Tensor  # long: dialogue turn (-1 = system prompt)
     role: torch.Tensor  # long: ROLES
     position: torch.Tensor  # long: RoPE position the key is rotated to
     pinned: torch.Tensor  # bool: never evicted while pinned
     importance: torch.Tensor  # float: accumulated attention mass received
+    surprisal: torch.Tensor  # float: -log p(token | what preceded it), its information content when fed
 
     @classmethod
     def empty(cls) -> "TokenMeta":
         long = torch.zeros(0, dtype=torch.long)
-        return cls(long, long, long, long, torch.zeros(0, dtype=torch.bool), torch.zeros(0))
+        return cls(long, long, long, long, long, torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
 
     @classmethod
-    def new(cls, count: int, start: int, turn: int, role: str, segment: int) -> "TokenMeta":
+    def new(cls, count: int, start: int, turn: int, role: str, segment: int,
+            ids: list[int] | None = None) -> "TokenMeta":
         full = lambda value: torch.full((count,), value, dtype=torch.long)  # noqa: E731
-        return cls(full(segment), full(turn), full(ROLES[role]), torch.arange(start, start + count),
-                   torch.zeros(count, dtype=torch.bool), torch.zeros(count))
+        tokens = torch.tensor(ids, dtype=torch.long) if ids is not None else full(-1)
+        return cls(tokens, full(segment), full(turn), full(ROLES[role]), torch.arange(start, start + count),
+                   torch.zeros(count, dtype=torch.bool), torch.zeros(count), torch.zeros(count))
 
     def __len__(self) -> int:
         return self.turn.numel()
@@ -93,13 +97,16 @@ class ManagedLayer(CacheLayerMixin):
 
 
 class KVStore(Cache):
-    """All layers' KV plus token metadata. `recording` turns on importance accumulation."""
+    """All layers' KV plus token metadata. `recording` turns on importance accumulation;
+    `measuring_surprisal` asks the engine for every position's logits to fill the surprisal column."""
 
     def __init__(self, num_layers: int, rerotator: Rerotator, storage: Callable[[], LayerStorage] = ContiguousStorage):
         super().__init__(layers=[ManagedLayer(storage()) for _ in range(num_layers)])
         self.rerotator = rerotator
         self.meta = TokenMeta.empty()
         self.recording = False
+        self.measuring_surprisal = False
+        self.last_logits: torch.Tensor | None = None  # predicts the next token fed (for its surprisal)
         self.frozen = False  # while scoring a fork: no importance, metadata untouched
 
     @classmethod
@@ -112,9 +119,9 @@ class KVStore(Cache):
         return self.layers[0].storage.length
 
     # --- feeding -------------------------------------------------------------------------------
-    def expect(self, count: int, turn: int, role: str, segment: int) -> None:
+    def expect(self, count: int, turn: int, role: str, segment: int, ids: list[int] | None = None) -> None:
         """Declare the metadata of the next `count` tokens, before the forward that appends them."""
-        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment))
+        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids))
 
     def add_importance(self, layer_idx: int, mass: torch.Tensor) -> None:
         """Called by the attention function with [kv_heads, kv_len] attention mass for one layer."""
@@ -122,6 +129,18 @@ class KVStore(Cache):
             return
         mass = mass.sum(dim=0).to(self.meta.importance.device)
         self.meta.importance[: mass.numel()] += mass
+
+    def add_surprisal(self, ids: list[int], logits: torch.Tensor) -> None:
+        """logits: [len(ids), vocab] for the tokens just fed; token i's surprisal comes from the logits
+        before it (the previous forward's last logits for the first one)."""
+        if self.frozen:
+            return
+        previous = logits[:-1] if self.last_logits is None else torch.cat((self.last_logits[None], logits[:-1]))
+        logprobs = torch.log_softmax(previous.float(), dim=-1)
+        targets = torch.tensor(ids[len(ids) - previous.shape[0]:], device=logprobs.device)[:, None]
+        values = -logprobs.gather(1, targets)[:, 0].cpu()
+        self.meta.surprisal[self.length - values.numel():] = values
+        self.last_logits = logits[-1].float()
 
     # --- compaction -------------------------------------------------------------------------------
     def keep(self, index: torch.Tensor) -> None:
@@ -151,6 +170,14 @@ class KVStore(Cache):
 
     def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
         self.meta.pinned[index] = pinned
+
+    def find(self, ids: list[int]) -> torch.Tensor:
+        """Indices of every cached occurrence of the token sequence `ids`."""
+        tokens, width = self.meta.token, len(ids)
+        if not width or tokens.numel() < width:
+            return torch.zeros(0, dtype=torch.long)
+        starts = torch.nonzero((tokens.unfold(0, width, 1) == torch.tensor(ids)).all(dim=1)).flatten()
+        return (starts[:, None] + torch.arange(width)).flatten()
 
     def memory_bytes(self) -> int:
         return sum(layer.storage.nbytes() for layer in self.layers)

@@ -1,0 +1,160 @@
+"""Paged KV storage (vLLM block-pool style). A layer's keys and values live in fixed-size blocks taken
+from a pool; a sequence is a block table (list of block ids) plus a length. Compaction and truncation
+hand whole blocks back to the pool's free list instead of reallocating, and ref counts let a fork share
+blocks with its parent (copy-on-write on the one partially filled block a fork may append to).
+
+Batch 1 only: the engine feeds one sequence, so tensors are [1, kv_heads, tokens, head_dim] at the edges."""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE = 16  # tokens per block (vLLM's default)
+
+
+class BlockPool:
+    """One layer's blocks: keys/values [num_blocks, kv_heads, block_size, head_dim], a free list and ref
+    counts. Capacity doubles when the free list runs dry; blocks are never moved, only reused."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None):
+        self.block_size = block_size
+        self.dtype = dtype  # None: take the dtype of the first keys written
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.free_blocks: list[int] = []
+        self.refs: list[int] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block, keys plus values."""
+        return 2 * self.keys[0].numel() * self.keys.element_size() if self.keys is not None else 0
+
+    @torch.inference_mode(False)
+    def _grow(self, like: torch.Tensor) -> None:
+        """like: [kv_heads, tokens, head_dim]; fixes the pool's shape, device and dtype on first use.
+        The pool is a normal tensor even when first filled under inference mode (the model's forward):
+        compaction writes into it outside inference mode, which inference tensors forbid."""
+        old = self.num_blocks
+        new = max(4, 2 * old)
+        shape = (new, like.shape[0], self.block_size, like.shape[2])
+        keys = torch.zeros(shape, dtype=self.dtype or like.dtype, device=like.device)
+        values = torch.zeros_like(keys)
+        if self.keys is not None:
+            keys[:old], values[:old] = self.keys, self.values
+        self.keys, self.values = keys, values
+        self.refs.extend([0] * (new - old))
+        self.free_blocks.extend(range(new - 1, old - 1, -1))  # pop() hands out low ids first
+
+    def allocate(self, like: torch.Tensor) -> int:
+        if not self.free_blocks:
+            self._grow(like)
+        block = self.free_blocks.pop()
+        self.refs[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def free(self, block: int) -> None:
+        """Drop one reference; the block returns to the free list when nobody holds it."""
+        if self.refs[block] <= 0:
+            raise ValueError(f"block {block} freed more often than allocated")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_blocks.append(block)
+
+
+class PagedStorage:
+    """LayerStorage over a BlockPool. `nbytes()` counts the blocks this sequence holds (its real share),
+    not the pool's spare capacity, so it is comparable with ContiguousStorage and drops on compaction;
+    the pool's own footprint is `pool.num_blocks * pool.block_bytes()`."""
+
+    def __init__(self, dtype: torch.dtype | None = None, block_size: int = BLOCK_SIZE, pool: BlockPool | None = None):
+        self.pool = pool or BlockPool(block_size, dtype)
+        self.table: list[int] = []
+        self.length = 0
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def _writable(self, slot: int, like: torch.Tensor) -> int:
+        """Block id for table slot `slot`, allocating it, or copying it first if a fork shares it."""
+        if slot == len(self.table):
+            self.table.append(self.pool.allocate(like))
+        block = self.table[slot]
+        if self.pool.refs[block] > 1:
+            fresh = self.pool.allocate(like)
+            self.pool.keys[fresh], self.pool.values[fresh] = self.pool.keys[block], self.pool.values[block]
+            self.pool.free(block)
+            self.table[slot] = block = fresh
+        return block
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append [kv_heads, tokens, head_dim] block by block."""
+        done, count = 0, keys.shape[1]
+        while done < count:
+            slot, offset = divmod(self.length, self.block_size)
+            take = min(self.block_size - offset, count - done)
+            block = self._writable(slot, keys)
+            self.pool.keys[block, :, offset : offset + take] = keys[:, done : done + take]
+            self.pool.values[block, :, offset : offset + take] = values[:, done : done + take]
+            done += take
+            self.length += take
+
+    def update_and_fetch(self, keys, values):
+        self.compute_dtype = keys.dtype
+        self._write(keys[0], values[0])
+        return self.fetch()
+
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """Blocks of the table, in order, as one contiguous [1, kv_heads, length, head_dim] tensor."""
+        index = torch.tensor(self.table, dtype=torch.long, device=pool.device)
+        return pool.index_select(0, index).transpose(0, 1).flatten(1, 2)[None, :, : self.length]
+
+    def fetch(self):
+        """Contiguous keys and values in compute precision, for SDPA (which cannot read a block table)."""
+        dtype = self.compute_dtype or self.pool.keys.dtype
+        return self._gather(self.pool.keys).to(dtype), self._gather(self.pool.values).to(dtype)
+
+    def replace(self, keys, values):
+        """Install a compacted sequence: every block goes back to the pool, then the kept tokens are written
+        afresh (the free list is LIFO, so mostly into the same blocks)."""
+        self.truncate(0)
+        self.compute_dtype = keys.dtype
+        self._write(keys[0], values[0])
+
+    def truncate(self, length: int) -> None:
+        """Crop to `length` tokens, freeing every block past the last one still used."""
+        self.length = min(self.length, max(0, length))
+        used = -(-self.length // self.block_size)
+        for block in self.table[used:]:
+            self.pool.free(block)
+        del self.table[used:]
+
+    def fork(self) -> "PagedStorage":
+        """A second sequence sharing this one's blocks (ref counted); either side copies a shared block
+        before writing into it."""
+        child = PagedStorage(pool=self.pool)
+        for block in self.table:
+            self.pool.incref(block)
+        child.table, child.length, child.compute_dtype = list(self.table), self.length, self.compute_dtype
+        return child
+
+    def nbytes(self) -> int:
+        return len(self.table) * self.pool.block_bytes()
+
+    def state(self) -> dict:
+        keys, values = (self._gather(self.pool.keys), self._gather(self.pool.values)) if self.table else (None, None)
+        return {"kind": "paged", "block_size": self.block_size, "keys": keys, "values": values}
+
+    @classmethod
+    def from_state(cls, state: dict, dtype: torch.dtype | None = None) -> "PagedStorage":
+        storage = cls(dtype, state["block_size"])
+        if state["keys"] is not None:
+            storage.replace(state["keys"], state["values"])
+        return storage

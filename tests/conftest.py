@@ -1,0 +1,20 @@
+"""Shared fixtures: a tiny random GQA Llama (fast) and the real embedded model (loaded once)."""
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from agent.model import tiny_llama
+
+    return tiny_llama(seed=0, layers=2)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from agent.model import load_model
+
+    return load_model("embedded", device="cpu", dtype="float32")
