@@ -113,8 +113,8 @@ def convert_embedded() -> Path:
 
 
 def load_model(spec: str = EMBEDDED, device: str = "auto", dtype: str = "float32", weights: str = "float") -> LoadedModel:
-    """Load the embedded model or a local Hugging Face directory. `weights="int8"` swaps the linear
-    layers for dynamically quantized int8 ones (CPU only): decode on CPU is bound by weight bytes."""
+    """Load the embedded model or a local Hugging Face directory. `weights="int4"` / `"int8"` swap the
+    linear layers for weight-only quantized ones (CPU only): decode on CPU is bound by weight bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -147,26 +147,37 @@ def prepare(model: torch.nn.Module, device: torch.device, weights: str = "float"
     from cache.attention import enable_palace_attention
 
     model = model.to(device).eval()
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         if device.type != "cpu":
-            raise ModelError("--weights int8 is a CPU path (dynamic int8 linear layers); on CUDA use --dtype bfloat16")
+            raise ModelError(f"--weights {weights} is a CPU path (weight-only {weights} linear layers); on CUDA use --dtype bfloat16")
         if next(model.parameters()).dtype != torch.float32:
-            raise ModelError("--weights int8 needs --dtype float32 (activations stay float32)")
-        model = quantize_linear_int8(model)
+            raise ModelError(f"--weights {weights} needs --dtype float32 (activations stay float32 between layers)")
+        model = quantize_linear_int8(model, inplace=True) if weights == "int8" else quantize_linear_int4(model, inplace=True)
     elif weights != "float":
-        raise ModelError(f"unknown weights mode {weights!r}: use float or int8")
+        raise ModelError(f"unknown weights mode {weights!r}: use float, int8 or int4")
     enable_palace_attention(model)
     return model
 
 
-def quantize_linear_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 quantization of every nn.Linear (weights int8 per channel, activations quantized on the fly)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+def quantize_linear_int8(model: torch.nn.Module, inplace: bool = False) -> torch.nn.Module:
+    """Weight-only int8 (one scale per output channel) for every nn.Linear but the lm_head; a copy unless
+    `inplace`. Activations are not quantized: this model's activation outliers make per-tensor activation
+    quantization (torch.ao dynamic int8) agree with float32 on only ~48% of next tokens. See agent/qlinear.py."""
+    import copy
 
-        qconfig = per_channel_dynamic_qconfig if per_channel_dynamic_qconfig is not None else default_dynamic_qconfig
-        return quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8, inplace=False)
+    from agent.qlinear import quantize_linear
+
+    return quantize_linear(model if inplace else copy.deepcopy(model), "int8")
+
+
+def quantize_linear_int4(model: torch.nn.Module, inplace: bool = False) -> torch.nn.Module:
+    """Weight-only group-wise int4 (groups of 32 inputs, scale + minimum each) for every nn.Linear but the
+    lm_head; a copy unless `inplace`. Lossless on the embedded model, whose weights are GGUF Q4_1."""
+    import copy
+
+    from agent.qlinear import quantize_linear
+
+    return quantize_linear(model if inplace else copy.deepcopy(model), "int4")
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 512):

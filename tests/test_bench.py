@@ -1,0 +1,123 @@
+"""`palace bench` on the tiny model: structure and internal consistency of the rows (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from agent.bench import (WEIGHT_LABELS, BenchConfig, best_of, build_histories, bench_text, dialogue_turns, install,
+                         part_a, part_b, random_turns, render_part_a, render_part_b, sentences)
+from agent.model import tiny_llama
+from cache.storage import make_storage
+
+CONFIG = BenchConfig(prompt_tokens=24, new_tokens=5, repeats=1, histories=(48, 128), decode_tokens=3, warmup_tokens=1,
+                     nocache_work=96, chunk=40, turn_tokens=20, hybrid_budget=48)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2)
+
+
+@pytest.fixture(scope="module")
+def result_a(model):
+    return part_a(model, list(range(3, 3 + CONFIG.prompt_tokens)), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def result_b(model):
+    return part_b(model, random_turns(model.config.vocab_size, max(CONFIG.histories), CONFIG.turn_tokens), CONFIG)
+
+
+def test_part_a_rows_and_ratios(result_a):
+    runs = [row["run"] for row in result_a["rows"]]
+    assert runs == ["generate() float32", "engine float32", "generate() int8", "engine int8", "generate() int4",
+                    "engine int4"]
+    base = result_a["rows"][0]
+    assert base["decode_vs_generate_f32"] == pytest.approx(1.0)
+    for row in result_a["rows"]:
+        assert row["new_tokens"] == CONFIG.new_tokens  # no early stop on either side
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
+        assert row["decode_vs_generate_f32"] == pytest.approx(row["decode_tok_s"] / base["decode_tok_s"])
+    engine = result_a["rows"][1]
+    assert engine["same_tokens_as_generate"]  # greedy over the same model: the same continuation
+    rows = {row["run"]: row for row in result_a["rows"]}
+    assert [a["weights"] for a in result_a["agreement"]] == [WEIGHT_LABELS[w] for w in CONFIG.weights]
+    for agreement, weights in zip(result_a["agreement"], CONFIG.weights):
+        assert 0.0 <= agreement["top1"] <= 1.0 and agreement["positions"] == CONFIG.prompt_tokens
+        assert agreement["decode_vs_generate_f32"] == rows[f"engine {weights}"]["decode_vs_generate_f32"]
+        assert agreement["decode_cpu_vs_generate_f32"] == rows[f"engine {weights}"]["decode_cpu_vs_generate_f32"]
+    text = "\n".join(render_part_a(result_a))
+    assert "engine int4" in text and "exact Q4_1" in text and "one scale per row" in text
+    json.dumps(result_a)  # every row serialises
+
+
+def test_part_a_float32_only(model):
+    result = part_a(model, list(range(3, 3 + CONFIG.prompt_tokens)), replace(CONFIG, weights=()))
+    assert [row["run"] for row in result["rows"]] == ["generate() float32", "engine float32"]
+    assert result["agreement"] == []
+
+
+def test_best_of_takes_fastest_of_each_phase():
+    runs = [{"prefill_s": 2.0, "prefill_tok_s": 5.0, "decode_s": 1.0, "decode_tok_s": 9.0},
+            {"prefill_s": 1.0, "prefill_tok_s": 10.0, "decode_s": 3.0, "decode_tok_s": 3.0}]
+    best = best_of(runs)
+    assert (best["prefill_s"], best["prefill_tok_s"], best["decode_s"], best["decode_tok_s"]) == (1.0, 10.0, 1.0, 9.0)
+
+
+def test_part_b_tables_are_consistent(result_b, model):
+    assert [table["history"] for table in result_b["tables"]] == list(CONFIG.histories)
+    for table in result_b["tables"]:
+        rows = {row["strategy"]: row for row in table["rows"]}
+        nocache, base = rows["no cache (recompute)"], rows["contiguous float32"]
+        assert nocache["kv_bytes"] == 0 and nocache["kv_vs_contiguous"] == 0
+        assert base["kv_tokens"] == table["history"] and base["ms_vs_contiguous"] == pytest.approx(1.0)
+        for row in table["rows"]:
+            assert row["ms_per_token"] > 0
+            assert row["ms_vs_contiguous"] == pytest.approx(row["ms_per_token"] / base["ms_per_token"])
+            assert row["kv_vs_contiguous"] == pytest.approx(row["kv_bytes"] / base["kv_bytes"])
+        assert rows["bfloat16 KV"]["kv_bytes"] < base["kv_bytes"]
+        assert rows["int8 KV"]["kv_bytes"] < base["kv_bytes"]
+        gqa = table["gqa"]
+        ratio = model.config.num_attention_heads // model.config.num_key_value_heads
+        assert gqa["bytes_per_token_without_gqa"] == ratio * gqa["bytes_per_token_gqa"]
+    long = {row["strategy"]: row for row in result_b["tables"][-1]["rows"]}
+    assert long["int4 KV"]["kv_bytes"] < long["int8 KV"]["kv_bytes"]  # past the residual window, int4 is smaller
+    (hybrid,) = [row for name, row in long.items() if "@48" in name]
+    assert hybrid["kv_tokens"] <= CONFIG.hybrid_budget and hybrid["kv_bytes"] < long["contiguous float32"]["kv_bytes"]
+    assert not any("@48" in row["strategy"] for row in result_b["tables"][0]["rows"])  # history within budget
+    text = "\n".join(render_part_b(result_b))
+    assert "without GQA" in text and "no cache" in text
+    json.dumps(result_b)  # every row serialises
+
+
+def test_install_reproduces_the_prefilled_history(model):
+    turns = random_turns(model.config.vocab_size, 64, 16)
+    snapshots = build_histories(model, turns, (32, 64), chunk=24)
+    assert set(snapshots) == {32, 64}
+    for kind in ("float32", "int8"):
+        store = install(model, snapshots[64], make_storage(kind))
+        assert store.length == 64 and len(store.meta) == 64
+        assert store.meta.turn.tolist() == [t for t, _, ids in turns for _ in ids]
+
+
+def test_dialogue_history_is_real_varied_text():
+
+    class Words:  # whitespace "tokenizer": enough to check structure
+        def __call__(self, text, add_special_tokens=False):
+            return type("Out", (), {"input_ids": [hash(w) % 1000 for w in text.split()]})()
+
+    assert len(sentences(bench_text())) > 10
+    turns = dialogue_turns(Words(), 500, 40)
+    assert sum(len(ids) for _, _, ids in turns) == 500
+    assert turns[0][:2] == (-1, "system") and {role for _, role, _ in turns[1:]} == {"user", "assistant"}
+    assert len({tuple(ids) for _, _, ids in turns}) == len(turns)  # no turn is a copy of another
+
+
+def test_preset_quick_is_smaller():
+    quick, full = BenchConfig.preset(True), BenchConfig.preset(False)
+    assert max(quick.histories) < max(full.histories) and quick.new_tokens < full.new_tokens
+    assert max(full.histories) + full.decode_tokens + full.warmup_tokens + 2 <= 8192  # SmolLM2's positions
+    assert BenchConfig.preset(True, threads=1).threads == 1
