@@ -13,7 +13,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 ModelOpt = typer.Option("embedded", "--model", help="'embedded' (SmolLM2-135M) or a local Hugging Face model directory.")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda or auto.")
 DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
-WeightsOpt = typer.Option("float", "--weights", help="float, or int8 (dynamic int8 linear layers, CPU).")
+WeightsOpt = typer.Option("float", "--weights", help="float, int4 (group-wise 4-bit weights, lossless for the embedded Q4_1 model; CPU) or int8 (per-channel int8 weights, CPU).")
 
 
 class UserError(Exception):
@@ -106,6 +106,85 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
     }
     for key, value in rows.items():
         typer.echo(f"{key:28} {value}")
+
+
+@app.command("eval")
+def eval_(
+    files: list[str] = typer.Argument(..., help="Dialogue files (.json/.jsonl) or directories of them."),
+    policy: str = typer.Option("full,window,sink,h2o,reprefill", help="Comma-separated: full, window, sink, h2o, reprefill."),
+    budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
+    kv_dtype: str = typer.Option("float32", "--kv-dtype", help="Dtype the KV cache is stored in."),
+    mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG figure here."),
+    map_id: Optional[str] = typer.Option(None, "--map", help="Dialogue id for the residency map (default: the first)."),
+    limit: Optional[int] = typer.Option(None, min=1, help="Evaluate only the first N dialogues."),
+    model: str = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+) -> None:
+    """Run scripted dialogues under each cache policy and compare accuracy, memory and latency."""
+    import json
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agent.dialogue import load_dialogues
+    from agent.harness import Budget, EvalConfig, evaluate
+    from agent.model import load_model
+    from agent.report import plot, table
+
+    dialogues = load_dialogues(files)[:limit]
+    config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
+                        kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id)
+    loaded = load_model(model, device, dtype)
+    columns = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        result = evaluate(loaded, dialogues, config, progress)
+    Console().print(table(result))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as out:
+            json.dump(result.to_json(), out, indent=1)
+    if plot_path:
+        plot(result, plot_path)
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Scripted dialogue files.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("check")
+def data_check(files: list[str] = typer.Argument(..., help="Dialogue files or directories.")) -> None:
+    """Validate dialogue files: one line per file with its counts, or the first problem found."""
+    from agent.dialogue import DialogueError, load_dialogues
+
+    try:
+        for path in files:
+            dialogues = load_dialogues([path])
+            turns = [turn for d in dialogues for turn in d.turns]
+            probes = sum(turn.probe is not None for turn in turns)
+            typer.echo(f"{path}: ok · {len(dialogues)} dialogues · {len(turns)} turns · {probes} probes")
+        load_dialogues(files)  # ids must also be unique across the files
+    except DialogueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="Small sizes (histories 256 and 1024): a smoke run."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write every row as JSON here."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
+    parts: str = typer.Option("ab", "--parts", help="a (engine speed), b (KV strategies) or ab."),
+    model: str = ModelOpt,
+) -> None:
+    """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
+    from agent.bench import BenchConfig, run_bench
+
+    if not parts or set(parts) - set("ab"):
+        raise UserError(f"--parts takes a, b or ab, got {parts!r}")
+    config = BenchConfig.preset(quick, threads=threads, parts=parts)
+    run_bench(config, model, json_path, typer.echo)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import torch
 from agent.chat_format import ChatFormat
 from agent.engine import SamplingConfig, decode, forward_all, prefill
 from agent.model import EMBEDDED, LoadedModel, load_model
+from agent.scoring import ChoiceBatch
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import make_storage
 from cache.store import ROLES, KVStore
@@ -156,25 +157,19 @@ class Agent:
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice as the assistant's reply, from the cache as it is now.
-        The store is left exactly as it was: choices are appended, scored and cropped off, with
-        importance recording frozen."""
-        length = self.store.length
-        first = torch.log_softmax(self.last_logits, dim=-1)
-        scores = []
-        self.store.frozen = True
-        try:
-            for choice in choices:
-                ids = self.format.assistant_reply(choice) + self.format.next_user_header()[:1]
-                total = float(first[ids[0]])
-                if len(ids) > 1:
-                    self.store.expect(len(ids) - 1, self.turn_index, "assistant", -1)
-                    logprobs = torch.log_softmax(forward_all(self.model, self.store, ids[:-1]), dim=-1)
-                    total += float(logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None]).sum())
-                    self.store.truncate(length)
-                scores.append(total)
-        finally:
-            self.store.frozen = False
-        return scores
+        All choices go in one forward (each masked to see the history and itself only), then are cropped
+        off with importance and surprisal frozen, so the store is left exactly as it was."""
+        batch = ChoiceBatch.build(self.format, choices)
+        length, logits = self.store.length, None
+        if batch.ids:
+            self.store.frozen = True
+            try:
+                self.store.expect(len(batch.ids), self.turn_index, "assistant", -1, batch.ids)
+                logits = forward_all(self.model, self.store, batch.ids, batch.positions(length), batch.mask(length))
+            finally:
+                self.store.truncate(length)
+                self.store.frozen = False
+        return batch.totals(self.last_logits, logits)
 
     def draft(self, turn: Turn, max_new_tokens: int) -> tuple[list[int], float]:
         """Greedy reply from the current state, then cropped off so a scripted history can continue with

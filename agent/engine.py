@@ -39,13 +39,13 @@ def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Ten
 
 
 @torch.inference_mode()
-def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
-    """Like `forward` but returns logits for every fed position (scoring needs them)."""
+def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int], positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+    """Feed `ids` at explicit positions under an explicit [1, 1, len(ids), kv_len] bool mask and return
+    logits for every fed position: scoring several candidate replies in one forward needs both."""
     device = next(model.parameters()).device
-    start = store.length
-    positions = torch.arange(start, start + len(ids), device=device)[None]
-    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, cache=store, use_cache=True,
-                kv_store=store)
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions.to(device), cache=store,
+                use_cache=True, attention_mask=mask.to(device), kv_store=store)
     return out.logits[0].float()
 
 

@@ -9,7 +9,7 @@ mostly right with the full history and near chance (1 / number of choices) witho
 evidence; much better than chance without it means the distractors can be told apart without
 the evidence, which is a bug in the data, not a property of any cache.
 
-    python data/check_answerable.py data/dialogues.jsonl --model /tmp/smol --dialogues 10
+    python data/check_answerable.py data/dialogues.jsonl --dialogues 10
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.dialogue import Dialogue, load_dialogues  # noqa: E402
+from agent.model import convert_embedded  # noqa: E402
 
 
 class Prefix:
@@ -93,11 +94,12 @@ def _best(scores: list[float]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+")
-    ap.add_argument("--model", default="/tmp/smol")
+    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model's converted copy)")
     ap.add_argument("--dialogues", type=int, default=10, help="how many dialogues to check")
     args = ap.parse_args()
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    path = args.model or convert_embedded()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     right = defaultdict(lambda: [0, 0])  # (condition, group) -> [correct, total]
     for d in load_dialogues(args.paths)[: args.dialogues]:

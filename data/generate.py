@@ -759,10 +759,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="data/dialogues.jsonl")
     ap.add_argument("--n", type=int, default=48, help="number of dialogues (6 per domain for 48)")
-    ap.add_argument("--tokenizer", default="/tmp/smol", help="SmolLM2 tokenizer, for token counts")
+    ap.add_argument("--tokenizer", default=None, help="SmolLM2 tokenizer directory, for token counts "
+                    "(default: the embedded model's converted copy)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    from agent.model import convert_embedded
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or convert_embedded())
 
     rng = random.Random(args.seed)
     dialogues, redraws = [], 0

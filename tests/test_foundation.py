@@ -8,8 +8,15 @@ from cache.store import KVStore
 
 
 def full_logits(model, ids):
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float()
+    """One forward over the whole sequence with transformers' own eager attention: the reference."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0].float()
+    finally:
+        from cache.attention import enable_palace_attention
+
+        enable_palace_attention(model)
 
 
 def aligned(store: KVStore) -> bool:

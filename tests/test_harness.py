@@ -1,0 +1,147 @@
+"""The evaluation harness on the embedded model and a small scripted dialogue: a fact stated at turn 0,
+asked for at turns 10 and 11. Full keeps it and answers; a tiny window loses it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cli
+from agent.agent import Agent, AgentConfig
+from agent.dialogue import load_dialogues
+from agent.harness import Budget, EvalConfig, evaluate, reply_is_correct
+from agent.model import load_model
+
+FIXTURE = Path(__file__).parent / "fixtures" / "harness_dialogue.jsonl"
+WINDOW = 64  # tokens: far less than the ~350 between the fact and the probes
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("embedded", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def dialogues():
+    return load_dialogues([FIXTURE])
+
+
+@pytest.fixture(scope="module")
+def result(loaded, dialogues):
+    return evaluate(loaded, dialogues, EvalConfig(["full", "window", "reprefill"], Budget(WINDOW, percent=False)))
+
+
+def run_of(result, policy):
+    return next(run for run in result.runs if run.policy == policy)
+
+
+def test_full_and_reprefill_recall_the_fact(result):
+    for policy in ("full", "reprefill"):
+        summary = run_of(result, policy).summary(result.full_kv_bytes_peak)
+        assert summary["probes"] == 2
+        assert summary["evidence_retention"] == 1.0
+        assert summary["accuracy"] == 1.0, policy
+        assert summary["by_kind"] == {"recall": 1.0} and summary["by_tag"] == {"name": 1.0, "untagged": 1.0}
+
+
+def test_window_loses_the_evidence_and_stays_in_budget(result):
+    window = run_of(result, "window")
+    assert window.summary(result.full_kv_bytes_peak)["evidence_retention"] == 0.0
+    assert max(sample.kv_tokens for sample in window.turns) <= WINDOW
+    assert window.kv_bytes_peak < run_of(result, "full").kv_bytes_peak
+
+
+def test_residency_map_matches_the_token_layout(result, dialogues):
+    """Full holds every fed token, so each earlier turn's share is exactly 1: the harness's per-turn token
+    counts agree with what the agent feeds and tags."""
+    full, window = run_of(result, "full"), run_of(result, "window")
+    n = len(dialogues[0].turns)
+    lower = np.tril(np.ones((n, n), dtype=bool))
+    assert (full.residency[lower] == 1.0).all() and np.isnan(full.residency[~lower]).all()
+    assert window.residency[-1, 0] == 0.0 and window.residency[-1, -1] > 0.0
+
+
+def test_score_leaves_the_cache_byte_identical(loaded, dialogues):
+    agent = Agent(loaded, AgentConfig(policy="h2o", budget_tokens=96, system=dialogues[0].system))
+    for turn in dialogues[0].turns[:6]:
+        agent.reference_reply(agent.user_turn(turn.user), turn.assistant)
+    agent.user_turn(dialogues[0].turns[10].user)
+    before = agent.store.state()
+    before_layers = [{k: v.clone() for k, v in layer.items() if torch.is_tensor(v)} for layer in before["layers"]]
+    agent.score(dialogues[0].turns[10].probe.choices)
+    after = agent.store.state()
+    for name, column in before["meta"].items():
+        assert torch.equal(column, after["meta"][name]), name
+    for old, new in zip(before_layers, after["layers"]):
+        assert old.keys() and all(torch.equal(old[k], new[k]) for k in old)
+
+
+def test_generate_mode_keeps_the_scripted_history(loaded, dialogues, result):
+    config = EvalConfig(["full"], Budget(WINDOW, percent=False), mode="generate", reply_tokens=12)
+    generated = run_of(evaluate(loaded, dialogues, config), "full")
+    assert [s.kv_tokens for s in generated.turns] == [s.kv_tokens for s in run_of(result, "full").turns]
+    assert generated.decode_tokens > 0
+
+
+def test_reply_check_is_case_insensitive(dialogues):
+    probe = dialogues[0].turns[11].probe  # expect Dana, forbid Maria
+    assert reply_is_correct("your name is DANA whitfield", probe)
+    assert not reply_is_correct("Dana or Maria?", probe)
+    assert not reply_is_correct("I do not know", probe)
+
+
+def palace(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["palace", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    out = capsys.readouterr()
+    return exit_info.value.code or 0, out.out, out.err
+
+
+def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    code, out, _ = palace(monkeypatch, capsys, "eval", str(FIXTURE), "--policy", "full,window", "--budget", "25%",
+                          "--json", str(out_json), "--plot", str(out_png))
+    assert code == 0 and "accuracy" in out
+    data = json.loads(out_json.read_text())
+    assert {run["policy"] for run in data["runs"]} == {"full", "window"}
+    assert set(data["runs"][0]) == {
+        "policy", "budget_tokens", "kv_dtype", "mode", "probes", "accuracy", "by_kind", "by_tag",
+        "evidence_retention", "kv_bytes_peak", "kv_bytes_mean", "full_kv_bytes_peak", "ttft_ms_p50",
+        "ttft_ms_p95", "decode_ms_per_token", "wall_s"}
+    assert set(data["per_turn"][0]) == {"policy", "dialogue", "turn", "kv_tokens", "kv_bytes", "ttft_ms"}
+    assert len(data["per_turn"]) == 2 * 12
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "25 %"], "--budget"),
+    (["--budget", "abc"], "--budget"),
+    (["--budget", "0"], "--budget"),
+    (["--policy", "full,lru"], "unknown policy 'lru'"),
+    (["--mode", "sample"], "unknown mode"),
+    (["--kv-dtype", "int3"], "--kv-dtype"),
+])
+def test_cli_eval_bad_options_are_one_line(monkeypatch, capsys, args, message):
+    code, _, err = palace(monkeypatch, capsys, "eval", str(FIXTURE), *args)
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_files_are_one_line(monkeypatch, capsys, tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": "x", "turns": [{"user": ""}]}\n')
+    for args in (["eval", str(tmp_path / "missing.jsonl")], ["eval", str(broken)], ["data", "check", str(broken)]):
+        code, _, err = palace(monkeypatch, capsys, *args)
+        assert code != 0 and len(err.strip().splitlines()) == 1, args
+    code, _, err = palace(monkeypatch, capsys, "data", "check", str(broken))
+    assert code == 1 and "dialogue x, turn 0" in err
+
+
+def test_cli_data_check(monkeypatch, capsys):
+    code, out, _ = palace(monkeypatch, capsys, "data", "check", str(FIXTURE))
+    assert code == 0 and "1 dialogues · 12 turns · 2 probes" in out
