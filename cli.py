@@ -35,7 +35,7 @@ def parse_budget(text: str | None) -> int | None:
 @app.command()
 def chat(
     model: str = ModelOpt,
-    policy: str = typer.Option("sink", help="full, window, sink or h2o."),
+    policy: str = typer.Option("hybrid", help="full, window, sink, h2o or hybrid."),
     budget: Optional[str] = typer.Option("1024", help="KV budget in tokens, or 'none'."),
     max_new_tokens: int = typer.Option(128, min=1),
     temperature: float = typer.Option(0.0, min=0.0),
@@ -43,6 +43,8 @@ def chat(
     top_k: int = typer.Option(0, min=0),
     seed: int = typer.Option(0),
     system: Optional[str] = typer.Option(None, help="System prompt."),
+    kv_dtype: str = typer.Option("float32", "--kv-dtype", help="float32, bfloat16, float16, int8, int4, fp8 or dynamic."),
+    paged: bool = typer.Option(False, "--paged", help="Hold KV in 16-token blocks from a pool (float kv dtypes)."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -51,7 +53,7 @@ def chat(
     from agent import Agent, AgentConfig, SamplingConfig
 
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
-                         budget_tokens=parse_budget(budget), system=system,
+                         budget_tokens=parse_budget(budget), system=system, kv_dtype=kv_dtype, paged=paged,
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()
@@ -111,7 +113,8 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
 @app.command("eval")
 def eval_(
     files: list[str] = typer.Argument(..., help="Dialogue files (.json/.jsonl) or directories of them."),
-    policy: str = typer.Option("full,window,sink,h2o,reprefill", help="Comma-separated: full, window, sink, h2o, reprefill."),
+    policy: str = typer.Option("full,window,sink,h2o,hybrid,reprefill",
+                               help="Comma-separated: full, window, sink, h2o, hybrid, reprefill."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
     kv_dtype: str = typer.Option("float32", "--kv-dtype", help="Dtype the KV cache is stored in."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),

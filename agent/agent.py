@@ -31,7 +31,7 @@ class AgentConfig:
     device: str = "auto"
     dtype: str = "float32"
     weights: str = "float"  # or "int8" (CPU)
-    policy: str = "sink"
+    policy: str = "hybrid"
     budget_tokens: int | None = 1024
     sink_tokens: int = 4
     kv_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 | int4 | fp8 | dynamic

@@ -1,0 +1,39 @@
+"""The `palace` command as a person uses it: piped chat, info, and one-line errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+PALACE = [str(Path(sys.executable).parent / "palace")]
+
+
+def palace(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(PALACE + list(args), input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_piped_chat_streams_replies_and_answers_commands():
+    done = palace("chat", "--max-new-tokens", "6", "--budget", "256",
+                  stdin="Hello, my name is Dana.\n/stats\n/reset\n/stats\n/quit\nnever read\n")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("palace> ") and len(lines[0]) > len("palace> ")
+    stats = [line for line in lines if line.startswith("kv_tokens=")]
+    assert len(stats) == 2 and "policy=hybrid" in stats[0] and "budget=256" in stats[0] and "turns=1" in stats[0]
+    assert "turns=0" in stats[1] and "(conversation reset)" in lines
+    assert "Traceback" not in done.stderr
+
+
+def test_info_reports_gqa_geometry():
+    done = palace("info")
+    assert done.returncode == 0, done.stderr
+    rows = dict(line.split(None, 1) for line in done.stdout.splitlines())
+    assert rows["kv_heads"] == "3" and rows["query_heads"] == "9" and rows["layers"] == "30"
+    assert int(rows["bytes_per_token_without_gqa"]) == 3 * int(rows["bytes_per_cached_token"])
+
+
+def test_bad_input_is_one_line_and_nonzero():
+    for args in (["chat", "--policy", "lru"], ["chat", "--budget", "lots"], ["chat", "--kv-dtype", "int3"],
+                 ["info", "--model", "/no/such/model"], ["chat", "--weights", "int2"]):
+        done = palace(*args, stdin="hi\n")
+        assert done.returncode != 0, args
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
