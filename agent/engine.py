@@ -39,13 +39,16 @@ def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Ten
 
 
 @torch.inference_mode()
-def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int], positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-    """Feed `ids` at explicit positions under an explicit [1, 1, len(ids), kv_len] bool mask and return
-    logits for every fed position: scoring several candidate replies in one forward needs both."""
+def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int], positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Feed `ids` and return logits for every fed position. By default they continue the sequence
+    causally; scoring several candidate replies in one forward passes explicit positions and a
+    [1, 1, len(ids), kv_len] bool mask instead."""
     device = next(model.parameters()).device
+    if positions is None:
+        positions = torch.arange(store.length, store.length + len(ids))[None]
     out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions.to(device), cache=store,
-                use_cache=True, attention_mask=mask.to(device), kv_store=store)
+                use_cache=True, attention_mask=None if mask is None else mask.to(device), kv_store=store)
     return out.logits[0].float()
 
 
