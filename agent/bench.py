@@ -394,7 +394,7 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
     """Per history length: rows of ms/token and KV bytes, ratios vs contiguous float32."""
     policy, hybrid_label = hybrid_policy(config.hybrid_budget)
     needs_hybrid = any(length > config.hybrid_budget for length in config.histories)
-    surprisal = needs_hybrid and getattr(policy, "needs_surprisal", False)
+    surprisal = needs_hybrid and policy.needs_surprisal
     snapshots = build_histories(model, turns, config.histories, config.chunk, surprisal, log)
     info = kv_heads_info(model.config)
     tables = []
@@ -421,7 +421,7 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
             policy, _ = hybrid_policy(config.hybrid_budget)
             store = install(model, snap, storage_for("contiguous")[0])
             store.recording = policy.needs_importance
-            store.measuring_surprisal = getattr(policy, "needs_surprisal", False)
+            store.measuring_surprisal = policy.needs_surprisal
             started = time.perf_counter()
             policy.make_room(store, 1)  # the history's compaction to the budget, timed apart from decode
             compact_ms = 1000 * (time.perf_counter() - started)

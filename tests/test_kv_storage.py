@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agent.engine import forward_all
-from agent.model import ModelError, load_model, tiny_llama
+from agent.model import tiny_llama
 from cache.paged import PagedStorage
 from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
 from cache.storage import ContiguousStorage, make_storage
@@ -197,11 +197,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_embedded_top1_agreement_with_float32_kv(one_thread):
-    try:
-        loaded = load_model("embedded", device="cpu")
-    except ModelError as exc:
-        pytest.skip(str(exc))
+def test_embedded_top1_agreement_with_float32_kv(one_thread, embedded):
+    loaded = embedded
     ids = loaded.tokenizer(TEXT)["input_ids"][:300]
     assert len(ids) >= 280
 
