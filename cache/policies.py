@@ -136,8 +136,6 @@ class Hybrid(Policy):
     one tier is lent to the others; pins count against the budget."""
 
     name = "hybrid"
-    needs_importance = True
-    needs_surprisal = True
 
     def __init__(self, config: PolicyConfig, hybrid: HybridConfig | None = None):
         super().__init__(config)
@@ -147,6 +145,14 @@ class Hybrid(Policy):
             raise ValueError("hybrid shares must be >= 0 and leave a temporary share above 0")
         if self.hybrid.granularity not in ("token", "segment") or self.hybrid.score not in ("attention", "surprisal", "mix"):
             raise ValueError(f"unknown hybrid granularity/score {self.hybrid.granularity!r}/{self.hybrid.score!r}")
+
+    @property
+    def needs_importance(self) -> bool:  # attention mass costs an extra QK^T per layer: only when ranked by it
+        return self.hybrid.score in ("attention", "mix")
+
+    @property
+    def needs_surprisal(self) -> bool:
+        return self.hybrid.score in ("surprisal", "mix")
 
     def tiers(self, meta: TokenMeta) -> dict[str, torch.Tensor]:
         """Boolean masks: which tokens belong to which tier (before any eviction decision)."""
