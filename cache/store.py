@@ -55,9 +55,6 @@ class TokenMeta:
     def select(self, index: torch.Tensor) -> "TokenMeta":
         return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
 
-    def head(self, length: int) -> "TokenMeta":
-        return TokenMeta(*(getattr(self, f.name)[:length] for f in fields(self)))
-
     def state(self) -> dict:
         return {f.name: getattr(self, f.name).clone() for f in fields(self)}
 
@@ -166,7 +163,7 @@ class KVStore(Cache):
         """Crop back to the first `length` tokens (used after scoring a fork)."""
         for layer in self.layers:
             layer.storage.truncate(length)
-        self.meta = self.meta.head(length)
+        self.meta = self.meta.select(slice(0, length))
 
     def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
         self.meta.pinned[index] = pinned
