@@ -116,15 +116,18 @@ def eval_(
     policy: str = typer.Option("full,window,sink,h2o,hybrid,reprefill",
                                help="Comma-separated: full, window, sink, h2o, hybrid, reprefill."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
-    kv_dtype: str = typer.Option("float32", "--kv-dtype", help="Dtype the KV cache is stored in."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Dtype the KV cache is stored in (auto: the model's)."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG figure here."),
     map_id: Optional[str] = typer.Option(None, "--map", help="Dialogue id for the residency map (default: the first)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Evaluate only the first N dialogues."),
+    workers: int = typer.Option(0, min=0, help="Worker processes, each with its own dialogues (0: one per CPU core, "
+                                "at most 8; 1 on a GPU). Timings are per worker."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
-    dtype: str = DtypeOpt,
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX; "
+                              "else float32), float32, bfloat16 or float16."),
 ) -> None:
     """Run scripted dialogues under each cache policy and compare accuracy, memory and latency."""
     import json
@@ -136,14 +139,17 @@ def eval_(
     from agent.harness import Budget, EvalConfig, evaluate
     from agent.model import load_model
     from agent.report import plot, table
+    from agent.workers import ModelSpec, WorkerPool, default_workers
 
     dialogues = load_dialogues(files)[:limit]
     config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id)
     loaded = load_model(model, device, dtype)
+    workers = workers or default_workers(loaded.device, len(dialogues))
+    pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None
     columns = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
-        result = evaluate(loaded, dialogues, config, progress)
+        result = evaluate(loaded, dialogues, config, progress, pool)
     Console().print(table(result))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as out:

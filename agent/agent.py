@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from agent.chat_format import ChatFormat
-from agent.engine import SamplingConfig, decode, forward_all, prefill
+from agent.engine import Feed, SamplingConfig, decode, forward_forks, prefill_packed
 from agent.model import EMBEDDED, LoadedModel, load_model
 from agent.scoring import ChoiceBatch
 from cache.policies import HybridConfig, PolicyConfig, make_policy
@@ -87,7 +87,8 @@ class Agent:
         self.store.measuring_surprisal = self.policy.needs_surprisal
         self.turn_index = 0
         self.timing = TurnTiming()
-        self.last_logits = self._feed(self.format.system_prompt(self.config.system), turn=-1, role="system", segment=-1)
+        system = Feed(self.store, self.policy, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
+        self.last_logits = self._feed(system)
 
     # --- the turn ---------------------------------------------------------------------------------
     def stream(self, text: str) -> Iterator[str]:
@@ -129,15 +130,25 @@ class Agent:
         """Re-inject archived history relevant to this turn. No long-term store is attached yet."""
 
     def prefill_user(self, turn: Turn) -> torch.Tensor:
-        self.last_logits = self._feed(self.format.user_message(turn.text), turn.index, "user", turn.segment)
+        self.last_logits = self._feed(self.user_feed(turn))
         return self.last_logits
 
     def remember(self, turn: Turn) -> None:
         """Pre-warm: feed the reply's closing and the next user header now, off the next turn's clock."""
-        self._feed(self.format.next_user_header(), turn.index, "assistant", turn.segment)
+        self._feed(self.reply_feed(turn, None))
 
-    def _feed(self, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
-        return prefill(self.model, self.store, self.policy, ids, turn, role, segment)
+    def user_feed(self, turn: Turn) -> Feed:
+        """The user's message and the assistant header."""
+        return Feed(self.store, self.policy, turn.index, turn.segment).add(self.format.user_message(turn.text), "user")
+
+    def reply_feed(self, turn: Turn, text: str | None) -> Feed:
+        """A reply's text (None: already fed by decode), its closing and the next user header (pre-warm)."""
+        feed = Feed(self.store, self.policy, turn.index, turn.segment)
+        return feed.add(self.format.assistant_reply(text) if text is not None else [], "assistant").add(
+            self.format.next_user_header(), "assistant")
+
+    def _feed(self, feed: Feed) -> torch.Tensor:
+        return prefill_packed(self.model, [feed])[0]
 
     # --- scripted dialogues (teacher forcing) and choice scoring ------------------------------------------
     def user_turn(self, text: str) -> Turn:
@@ -152,24 +163,20 @@ class Agent:
 
     def reference_reply(self, turn: Turn, text: str) -> None:
         """Feed a scripted assistant reply as history and pre-warm the next turn, in one forward."""
-        ids = self.format.assistant_reply(text) + self.format.next_user_header()
-        self._feed(ids, turn.index, "assistant", turn.segment)
+        self._feed(self.reply_feed(turn, text))
+
+    def scripted_turn(self, text: str, reply: str | None) -> Feed:
+        """Observe and recall a scripted turn whose answer is not needed, and return all of it (the user's
+        message, the reference reply, the next header) as one feed, for the caller to prefill, possibly
+        packed with other agents' turns in shared forwards."""
+        turn = self.observe(text)
+        self.recall(turn)
+        return self.user_feed(turn).add(self.reply_feed(turn, reply).ids, "assistant")
 
     def score(self, choices: list[str]) -> list[float]:
-        """Total log-probability of each choice as the assistant's reply, from the cache as it is now.
-        All choices go in one forward (each masked to see the history and itself only), then are cropped
-        off with importance and surprisal frozen, so the store is left exactly as it was."""
-        batch = ChoiceBatch.build(self.format, choices)
-        length, logits = self.store.length, None
-        if batch.ids:
-            self.store.frozen = True
-            try:
-                self.store.expect(len(batch.ids), self.turn_index, "assistant", -1, batch.ids)
-                logits = forward_all(self.model, self.store, batch.ids, batch.positions(length), batch.mask(length))
-            finally:
-                self.store.truncate(length)
-                self.store.frozen = False
-        return batch.totals(self.last_logits, logits)
+        """Total log-probability of each choice as the assistant's reply, from the cache as it is now;
+        the store is left exactly as it was (see score_together)."""
+        return score_together([self], choices)[0]
 
     def draft(self, turn: Turn, max_new_tokens: int) -> tuple[list[int], float]:
         """Greedy reply from the current state, then cropped off so a scripted history can continue with
@@ -226,3 +233,28 @@ class Agent:
             "ttft_ms": round(self.timing.ttft_ms, 2),
             "decode_tok_s": round(self.timing.decode_tok_s, 2),
         }
+
+
+def score_together(agents: list[Agent], choices: list[str]) -> list[list[float]]:
+    """Score the same choices against each agent's cache, all in one forward: every agent's choices are
+    fed side by side after its history (each masked to see the history and itself only), then cropped
+    off with importance and surprisal frozen, so every store is left exactly as it was. The agents share
+    one model."""
+    if not agents:
+        return []
+    batch = ChoiceBatch.build(agents[0].format, choices)
+    if not batch.ids:
+        return [batch.totals(agent.last_logits, None) for agent in agents]
+    stores = [agent.store for agent in agents]
+    lengths = [store.length for store in stores]
+    try:
+        for agent, store in zip(agents, stores):
+            store.frozen = True
+            store.expect(len(batch.ids), agent.turn_index, "assistant", -1, batch.ids)
+        logits = forward_forks(agents[0].model, stores, [batch.ids] * len(agents),
+                               [batch.positions(length)[0] for length in lengths], [batch.mask(length) for length in lengths])
+    finally:
+        for store, length in zip(stores, lengths):
+            store.truncate(length)
+            store.frozen = False
+    return [batch.totals(agent.last_logits, fed) for agent, fed in zip(agents, logits)]

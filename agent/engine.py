@@ -5,11 +5,12 @@ makes room for the incoming tokens; a long message is prefilled in chunks so it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from cache.attention import Piece, causal_mask
 from cache.policies import Policy
 from cache.store import KVStore
 
@@ -23,45 +24,111 @@ class SamplingConfig:
     seed: int = 0
 
 
+@dataclass
+class Feed:
+    """What one store is to be fed: token ids with their metadata (turn, segment, a role per token), and
+    the policy that makes room for them."""
+
+    store: KVStore
+    policy: Policy
+    turn: int
+    segment: int
+    ids: list[int] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)  # one per id
+
+    def add(self, ids: list[int], role: str) -> "Feed":
+        self.ids += ids
+        self.roles += [role] * len(ids)
+        return self
+
+    def declare(self, start: int, count: int) -> None:
+        """store.expect the metadata of ids[start:start+count], one call per run of equal roles."""
+        end = start + count
+        while start < end:
+            run = start
+            while run < end and self.roles[run] == self.roles[start]:
+                run += 1
+            self.store.expect(run - start, self.turn, self.roles[start], self.segment, self.ids[start:run])
+            start = run
+
+
 @torch.inference_mode()
+def _packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]], positions: list[torch.Tensor],
+            masks: list[torch.Tensor | None], keep: list[int]) -> torch.Tensor:
+    """One forward over several sequences packed along the token axis: the weights are read once for all
+    of them and attention keeps each against its own store. Returns the logits at the `keep` indices."""
+    device = next(model.parameters()).device
+    pieces = []
+    for store, seq, mask in zip(stores, ids, masks):
+        if mask is None and len(seq) > 1 and store.length:
+            mask = causal_mask(len(seq), store.length + len(seq), device)
+        pieces.append(Piece(store, len(seq), None if mask is None else mask.to(device)))
+    out = model(input_ids=torch.tensor([[t for seq in ids for t in seq]], device=device),
+                position_ids=torch.cat(positions)[None].to(device), use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=device), kv_pieces=pieces)
+    return out.logits[0]
+
+
+def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]]) -> list[torch.Tensor]:
+    """Append ids[i] to stores[i] (metadata already declared with expect), all in one forward, each
+    continuing its sequence causally. Returns each sequence's last logits; fills surprisal for the
+    stores that measure it (which needs the logits of every position)."""
+    ends = torch.tensor([len(seq) for seq in ids]).cumsum(0).tolist()
+    keep = []
+    for store, seq, end in zip(stores, ids, ends):
+        keep += range(end - len(seq), end) if store.measuring_surprisal else [end - 1]
+    positions = [torch.arange(store.length, store.length + len(seq)) for store, seq in zip(stores, ids)]
+    logits = _packed(model, stores, ids, positions, [None] * len(stores), keep)
+    lasts, offset = [], 0
+    for store, seq in zip(stores, ids):
+        kept = len(seq) if store.measuring_surprisal else 1
+        if store.measuring_surprisal:
+            store.add_surprisal(seq, logits[offset : offset + kept])
+        lasts.append(logits[offset + kept - 1].float())
+        offset += kept
+    return lasts
+
+
 def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
-    """Append `ids` (metadata already declared with store.expect) and return the last position's logits."""
-    device = next(model.parameters()).device
-    start = store.length
-    input_ids = torch.tensor([ids], device=device)
-    positions = torch.arange(start, start + len(ids), device=device)[None]
-    keep = 0 if store.measuring_surprisal else 1
-    out = model(input_ids=input_ids, position_ids=positions, cache=store, use_cache=True, logits_to_keep=keep,
-                kv_store=store)
-    if store.measuring_surprisal:
-        store.add_surprisal(ids, out.logits[0])
-    return out.logits[0, -1].float()
+    """Append `ids` to one store and return the last position's logits."""
+    return forward_packed(model, [store], [ids])[0]
 
 
-@torch.inference_mode()
-def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int], positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Feed `ids` and return logits for every fed position. By default they continue the sequence
-    causally; scoring several candidate replies in one forward passes explicit positions and a
-    [1, 1, len(ids), kv_len] bool mask instead."""
-    device = next(model.parameters()).device
-    if positions is None:
-        positions = torch.arange(store.length, store.length + len(ids))[None]
-    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions.to(device), cache=store,
-                use_cache=True, attention_mask=None if mask is None else mask.to(device), kv_store=store)
-    return out.logits[0].float()
+def forward_forks(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]], positions: list[torch.Tensor],
+                  masks: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Feed each store `ids[i]` at explicit positions under an explicit [1, 1, len, kv_len] bool mask (None:
+    causal), all in one forward, and return the logits of every fed position, per store. Scoring feeds
+    several candidate replies side by side this way, then crops them off."""
+    logits = _packed(model, stores, ids, positions, masks, list(range(sum(len(seq) for seq in ids))))
+    return [part.float() for part in torch.split(logits, [len(seq) for seq in ids])]
+
+
+def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
+    """Feed `ids` to one store, continuing its sequence, and return the logits of every fed position."""
+    return forward_forks(model, [store], [ids], [torch.arange(store.length, store.length + len(ids))], [None])[0]
+
+
+def prefill_packed(model, feeds: list[Feed]) -> list[torch.Tensor | None]:
+    """Feed every store its ids, all stores sharing each forward, in policy-sized chunks (each policy
+    evicts before each of its chunks). Returns each feed's last logits (None for an empty feed)."""
+    fed, lasts = [0] * len(feeds), [None] * len(feeds)
+    while active := [i for i, feed in enumerate(feeds) if fed[i] < len(feed.ids)]:
+        pieces = []
+        for i in active:
+            feed = feeds[i]
+            piece = feed.ids[fed[i] : fed[i] + (feed.policy.max_chunk() or len(feed.ids))]
+            feed.policy.make_room(feed.store, len(piece))
+            feed.declare(fed[i], len(piece))
+            fed[i] += len(piece)
+            pieces.append(piece)
+        for i, logits in zip(active, forward_packed(model, [feeds[i].store for i in active], pieces)):
+            lasts[i] = logits
+    return lasts
 
 
 def prefill(model, store: KVStore, policy: Policy, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
-    """Feed `ids` in policy-sized chunks, evicting before each, and return the last logits."""
-    chunk = policy.max_chunk() or max(1, len(ids))
-    logits = None
-    for start in range(0, len(ids), chunk):
-        piece = ids[start : start + chunk]
-        policy.make_room(store, len(piece))
-        store.expect(len(piece), turn, role, segment, piece)
-        logits = forward(model, store, piece)
-    return logits
+    """Feed one store `ids` of one role in policy-sized chunks, evicting before each; the last logits."""
+    return prefill_packed(model, [Feed(store, policy, turn, segment).add(ids, role)])[0]
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:

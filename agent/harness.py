@@ -3,9 +3,14 @@ process over one loaded model, and measures what a policy costs (KV bytes, time 
 speed) against what it forgets (probe accuracy, evidence retention).
 
 Every policy sees the same history: after each turn the dialogue continues with the scripted assistant
-reply, whatever the model would have said. The `reprefill` baseline keeps no cache and re-encodes the
-whole history, but only at probe turns (where an answer is needed), which keeps the run affordable;
-its TTFT percentiles therefore cover probe turns only."""
+reply, whatever the model would have said. The policies run in lockstep, turn by turn. A turn without a
+probe needs no answer, so each policy's whole turn (user message, reference reply, next header) is one
+feed, and the feeds of all policies share one packed forward (each against its own cache): the weights
+are read once per turn instead of twice per policy. At a probe turn every policy works alone: it
+prefills the user's message (timed: its time to first token), scores the choices, and only then are the
+reference replies fed, packed again. Time to first token is therefore measured at probe turns, for every
+policy alike; the `reprefill` baseline, which keeps no cache and re-encodes the whole history, only
+encodes there. A policy's wall time is its own work plus its token share of the packed forwards."""
 
 from __future__ import annotations
 
@@ -13,14 +18,15 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
-from agent.agent import Agent, AgentConfig
+from agent.agent import Agent, AgentConfig, score_together
 from agent.chat_format import ChatFormat
-from agent.dialogue import Dialogue, Probe
+from agent.engine import Feed, prefill_packed
+from agent.dialogue import Dialogue, Probe, Turn
 from agent.model import LoadedModel
 from agent.reprefill import Reprefill
 from cache.policies import POLICIES
@@ -64,11 +70,11 @@ class Budget:
 class EvalConfig:
     policies: list[str]
     budget: Budget
-    kv_dtype: str = "float32"
+    kv_dtype: str = "auto"  # auto: the model's dtype
     mode: str = "choice"
     map_dialogue: str | None = None  # residency map for this dialogue (default: the first)
     reply_tokens: int = 48  # generate mode: longest free reply
-    decode_sample_tokens: int = 8  # choice mode: tokens decoded at each dialogue's last probe to time decode
+    decode_sample_tokens: int = 4  # choice mode: tokens decoded at each dialogue's last probe to time decode
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -80,8 +86,8 @@ class EvalConfig:
             raise ValueError(f"--policy lists a policy twice: {','.join(self.policies)}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: choose from {', '.join(MODES)}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown --kv-dtype {self.kv_dtype!r}: choose from {', '.join(KV_DTYPES)}")
+        if self.kv_dtype not in (*KV_DTYPES, "auto"):
+            raise ValueError(f"unknown --kv-dtype {self.kv_dtype!r}: choose from auto, {', '.join(KV_DTYPES)}")
 
 
 # --- token layout: what the full cache would hold, per turn ---------------------------------------------
@@ -110,17 +116,19 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
 # --- runners: one surface over the managed-cache agent and the no-cache baseline --------------------------
 class Runner(Protocol):
     def start(self, system: str | None) -> None: ...
-    def user_turn(self, text: str, needed: bool) -> float | None: ...
+    def user_turn(self, text: str) -> float: ...
+    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]: ...
+    def reply(self, text: str | None) -> list[Feed]: ...
     def score(self, choices: list[str]) -> list[float]: ...
     def draft(self, max_new_tokens: int) -> tuple[list[int], float]: ...
-    def reference_reply(self, text: str | None) -> None: ...
     def resident(self) -> Counter[int]: ...
     def kv_tokens(self) -> int: ...
     def kv_bytes(self) -> int: ...
 
 
 class CacheRunner:
-    """The Agent under one cache policy: prefill per turn, score/draft from the managed store."""
+    """The Agent under one cache policy: solo prefill at probe turns, feeds for the packed forwards
+    elsewhere, score/draft from the managed store."""
 
     def __init__(self, loaded: LoadedModel, config: AgentConfig):
         self.loaded, self.config = loaded, config
@@ -129,21 +137,21 @@ class CacheRunner:
         self.agent = Agent(self.loaded, replace(self.config, system=system))
         self.turn = None
 
-    def user_turn(self, text: str, needed: bool) -> float:
+    def user_turn(self, text: str) -> float:
         self.turn = self.agent.user_turn(text)
         return self.agent.timing.ttft_ms
+
+    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
+        return [self.agent.scripted_turn(text, reply)]
+
+    def reply(self, text: str | None) -> list[Feed]:
+        return [self.agent.reply_feed(self.turn, text)]
 
     def score(self, choices: list[str]) -> list[float]:
         return self.agent.score(choices)
 
     def draft(self, max_new_tokens: int) -> tuple[list[int], float]:
         return self.agent.draft(self.turn, max_new_tokens)
-
-    def reference_reply(self, text: str | None) -> None:
-        if text is None:
-            self.agent.remember(self.turn)
-        else:
-            self.agent.reference_reply(self.turn, text)
 
     def resident(self) -> Counter[int]:
         turns, counts = torch.unique(self.agent.store.meta.turn, return_counts=True)
@@ -156,10 +164,10 @@ class CacheRunner:
         return self.agent.store.memory_bytes()
 
 
-def make_runner(policy: str, budget: int | None, loaded: LoadedModel, config: EvalConfig) -> Runner:
+def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel) -> Runner:
     if policy == BASELINE:
         return Reprefill(loaded, kv_bytes_per_token(loaded))
-    return CacheRunner(loaded, AgentConfig(policy=policy, budget_tokens=budget, kv_dtype=config.kv_dtype))
+    return CacheRunner(loaded, AgentConfig(policy=policy, budget_tokens=budget, kv_dtype=kv_dtype))
 
 
 # --- results ------------------------------------------------------------------------------------------
@@ -180,7 +188,7 @@ class TurnSample:
     turn: int
     kv_tokens: int
     kv_bytes: int
-    ttft_ms: float | None  # None: nothing was encoded at this turn (reprefill off probe turns)
+    ttft_ms: float | None  # timed at probe turns only; None elsewhere (fed packed, or nothing encoded)
 
 
 @dataclass
@@ -254,64 +262,160 @@ def reply_is_correct(reply: str, probe: Probe) -> bool:
     return expected and not any(f.lower() in reply for f in probe.forbid)
 
 
-def run_dialogue(runner: Runner, run: PolicyRun, dialogue: Dialogue, fmt: ChatFormat, config: EvalConfig,
-                 mapped: bool) -> None:
-    """Feed one dialogue turn by turn, scoring probes with the cache as the policy left it."""
+@dataclass
+class Lane:
+    """One policy's runner and the run it fills, as the dialogues go by in lockstep."""
+
+    runner: Runner
+    run: PolicyRun
+
+    def timed(self, work, *args):
+        started = time.perf_counter()
+        try:
+            return work(*args)
+        finally:
+            self.run.wall_s += time.perf_counter() - started
+
+
+def feed_together(model: torch.nn.Module, lanes: list[Lane], feeds: list[list[Feed]]) -> None:
+    """Prefill every lane's feeds in shared packed forwards; each lane is charged its token share."""
+    flat = [feed for lane_feeds in feeds for feed in lane_feeds]
+    total = sum(len(feed.ids) for feed in flat)
+    if not total:
+        return
+    started = time.perf_counter()
+    prefill_packed(model, flat)
+    elapsed = time.perf_counter() - started
+    for lane, lane_feeds in zip(lanes, feeds):
+        lane.run.wall_s += elapsed * sum(len(feed.ids) for feed in lane_feeds) / total
+
+
+def score_lanes(lanes: list[Lane], choices: list[str]) -> list[list[float]]:
+    """Every lane's choice scores: the cache policies' in one packed forward (each charged an equal
+    share), the baseline's on its own."""
+    shared = [lane for lane in lanes if isinstance(lane.runner, CacheRunner)]
+    started = time.perf_counter()
+    together = dict(zip(map(id, shared), score_together([lane.runner.agent for lane in shared], choices)))
+    for lane in shared:
+        lane.run.wall_s += (time.perf_counter() - started) / len(shared)
+    return [together[id(lane)] if id(lane) in together else lane.timed(lane.runner.score, choices) for lane in lanes]
+
+
+def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: Turn, t: int, last_probe: int,
+               fed: Counter[int], fmt: ChatFormat, config: EvalConfig, dialogue_id: str) -> None:
+    """A probe: each policy prefills the user's message alone (timed: its time to first token); then the
+    choices are scored (packed) or each policy drafts a reply alone; the reference replies follow."""
+    probe = turn.probe
+    retention = {}
+    for lane in lanes:
+        runner, run = lane.runner, lane.run
+        ttft = lane.timed(runner.user_turn, turn.user)
+        run.turns.append(TurnSample(run.policy, dialogue_id, t, runner.kv_tokens(), runner.kv_bytes(), ttft))
+        run.kv_bytes_peak = max(run.kv_bytes_peak, runner.kv_bytes())
+        if probe.evidence:
+            present = runner.resident()
+            retention[id(lane)] = sum(present[e] for e in probe.evidence) / sum(fed[e] for e in probe.evidence)
+    scores = score_lanes(lanes, probe.choices) if config.mode == "choice" else [None] * len(lanes)
+    for lane, score in zip(lanes, scores):
+        if config.mode == "generate":
+            ids, seconds = lane.timed(lane.runner.draft, config.reply_tokens)
+            correct = reply_is_correct(fmt.decode(ids), probe)
+        else:
+            correct = int(np.argmax(score)) == probe.answer
+            ids, seconds = lane.timed(lane.runner.draft, config.decode_sample_tokens) if t == last_probe else ([], 0.0)
+        lane.run.decode_tokens += len(ids)
+        lane.run.decode_s += seconds
+        lane.run.probes.append(ProbeOutcome(dialogue_id, t, probe.kind, probe.tags, correct, retention.get(id(lane))))
+    feed_together(model, lanes, [lane.timed(lane.runner.reply, turn.assistant) for lane in lanes])
+
+
+def run_dialogue(lanes: list[Lane], model: torch.nn.Module, dialogue: Dialogue, fmt: ChatFormat,
+                 config: EvalConfig, mapped: bool) -> None:
+    """Feed one dialogue turn by turn to every lane, scoring probes with the cache as each policy left it."""
     fed = turn_tokens(dialogue, fmt)
     last_probe = max((t for t, turn in enumerate(dialogue.turns) if turn.probe), default=-1)
     n = len(dialogue.turns)
-    residency = np.full((n, n), np.nan) if mapped else None
-    runner.start(dialogue.system)
+    residency = [np.full((n, n), np.nan) for _ in lanes] if mapped else None
+    for lane in lanes:
+        lane.timed(lane.runner.start, dialogue.system)
     for t, turn in enumerate(dialogue.turns):
-        probe = turn.probe
-        ttft = runner.user_turn(turn.user, needed=probe is not None)
-        run.kv_bytes_peak = max(run.kv_bytes_peak, runner.kv_bytes())
-        run.turns.append(TurnSample(run.policy, dialogue.id, t, runner.kv_tokens(), runner.kv_bytes(), ttft))
-        if probe is not None:
-            retention = None
-            if probe.evidence:
-                present = runner.resident()
-                retention = sum(present[e] for e in probe.evidence) / sum(fed[e] for e in probe.evidence)
-            if config.mode == "generate":
-                ids, seconds = runner.draft(config.reply_tokens)
-                correct = reply_is_correct(fmt.decode(ids), probe)
-            else:
-                correct = int(np.argmax(runner.score(probe.choices))) == probe.answer
-                ids, seconds = runner.draft(config.decode_sample_tokens) if t == last_probe else ([], 0.0)
-            run.decode_tokens += len(ids)
-            run.decode_s += seconds
-            run.probes.append(ProbeOutcome(dialogue.id, t, probe.kind, probe.tags, correct, retention))
-        runner.reference_reply(turn.assistant)
-        run.kv_bytes_peak = max(run.kv_bytes_peak, runner.kv_bytes())
-        if residency is not None:
-            present = runner.resident()
-            residency[t, : t + 1] = [present[y] / fed[y] for y in range(t + 1)]
+        if turn.probe is None:
+            feeds = [lane.timed(lane.runner.scripted_turn, turn.user, turn.assistant) for lane in lanes]
+            feed_together(model, lanes, feeds)
+            for lane in lanes:
+                runner = lane.runner
+                lane.run.turns.append(TurnSample(lane.run.policy, dialogue.id, t, runner.kv_tokens(), runner.kv_bytes(), None))
+        else:
+            probe_turn(lanes, model, turn, t, last_probe, fed, fmt, config, dialogue.id)
+        for k, lane in enumerate(lanes):
+            lane.run.kv_bytes_peak = max(lane.run.kv_bytes_peak, lane.runner.kv_bytes())
+            if residency is not None:
+                present = lane.runner.resident()
+                residency[k][t, : t + 1] = [present[y] / fed[y] for y in range(t + 1)]
     if residency is not None:
-        run.residency = residency
+        for lane, grid in zip(lanes, residency):
+            lane.run.residency = grid
 
 
-def evaluate(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalConfig, progress=None) -> EvalResult:
-    """Run every requested policy over the same dialogues. `progress`: an optional rich Progress."""
+def run_policies(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalConfig, budget_tokens: int,
+                 map_id: str, on_dialogue: Callable[[], None] | None = None) -> list[PolicyRun]:
+    """Every requested policy over these dialogues, in lockstep, in this process."""
+    fmt = ChatFormat.from_tokenizer(loaded.tokenizer)
+    model_dtype = str(loaded.dtype).removeprefix("torch.")
+    lanes = []
+    for policy in config.policies:
+        budget = None if policy in ("full", BASELINE) else budget_tokens  # both unbounded
+        kv_dtype = model_dtype if policy == BASELINE or config.kv_dtype == "auto" else config.kv_dtype
+        lanes.append(Lane(make_runner(policy, budget, kv_dtype, loaded), PolicyRun(policy, budget, kv_dtype, config.mode)))
+    for dialogue in dialogues:
+        run_dialogue(lanes, loaded.model, dialogue, fmt, config, mapped=dialogue.id == map_id)
+        if on_dialogue is not None:
+            on_dialogue()
+    return [lane.run for lane in lanes]
+
+
+def merge_runs(parts: list[list[PolicyRun]]) -> list[PolicyRun]:
+    """One run per policy from runs over disjoint sets of dialogues (in the order given)."""
+    merged = [PolicyRun(run.policy, run.budget_tokens, run.kv_dtype, run.mode) for run in parts[0]]
+    for runs in parts:
+        for total, run in zip(merged, runs):
+            total.probes += run.probes
+            total.turns += run.turns
+            total.kv_bytes_peak = max(total.kv_bytes_peak, run.kv_bytes_peak)
+            total.decode_tokens += run.decode_tokens
+            total.decode_s += run.decode_s
+            total.wall_s += run.wall_s
+            if run.residency is not None:
+                total.residency = run.residency
+    return merged
+
+
+class Pool(Protocol):
+    """Runs `run_policies` over dialogues in other processes (agent/workers.py)."""
+
+    def run(self, dialogues: list[Dialogue], config: EvalConfig, budget_tokens: int, map_id: str,
+            on_dialogue: Callable[[], None]) -> list[PolicyRun]: ...
+
+
+def evaluate(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalConfig, progress=None,
+             pool: Pool | None = None) -> EvalResult:
+    """Run every requested policy over the same dialogues, here or spread over a pool of worker
+    processes. `progress`: an optional rich Progress (a bar per policy)."""
     fmt = ChatFormat.from_tokenizer(loaded.tokenizer)
     map_id = config.map_dialogue or dialogues[0].id
     if map_id not in {d.id for d in dialogues}:
         raise ValueError(f"--map: no dialogue {map_id!r} among the {len(dialogues)} evaluated")
     budget_tokens = config.budget.tokens(dialogues, fmt)
-    total_turns = sum(len(d.turns) for d in dialogues)
-    runs = []
-    for policy in config.policies:
-        budget = None if policy in ("full", BASELINE) else budget_tokens  # both unbounded
-        kv_dtype = str(loaded.dtype).removeprefix("torch.") if policy == BASELINE else config.kv_dtype
-        run = PolicyRun(policy, budget, kv_dtype, config.mode)
-        runner = make_runner(policy, budget, loaded, config)
-        task = progress.add_task(policy, total=total_turns) if progress is not None else None
-        started = time.perf_counter()
-        for dialogue in dialogues:
-            run_dialogue(runner, run, dialogue, fmt, config, mapped=dialogue.id == map_id)
-            if progress is not None:
-                progress.advance(task, len(dialogue.turns))
-        run.wall_s = time.perf_counter() - started
-        runs.append(run)
+    tasks = [progress.add_task(policy, total=len(dialogues)) for policy in config.policies] if progress else []
+
+    def on_dialogue() -> None:
+        for task in tasks:
+            progress.advance(task)
+
+    if pool is None:
+        runs = run_policies(loaded, dialogues, config, budget_tokens, map_id, on_dialogue)
+    else:
+        runs = pool.run(dialogues, config, budget_tokens, map_id, on_dialogue)
     full = next((run for run in runs if run.policy == "full"), None)
     longest = max(full_cache_tokens(d, fmt) for d in dialogues)
     full_peak = full.kv_bytes_peak if full is not None else longest * kv_bytes_per_token(loaded)

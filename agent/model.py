@@ -62,9 +62,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """`auto`: bfloat16 where its matmuls are fast (CUDA with bf16 support; CPUs with AMX tiles, where a
+    forward of dozens of tokens runs about twice as fast as in float32), float32 elsewhere."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        return torch.bfloat16 if amx() else torch.float32
     if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+        raise ModelError(f"unknown dtype {dtype!r}: use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -121,7 +128,7 @@ def load_model(spec: str = EMBEDDED, device: str = "auto", dtype: str = "float32
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     if spec == EMBEDDED:
         path, name = convert_embedded(), "SmolLM2-135M-Instruct (embedded)"
     else:

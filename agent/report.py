@@ -42,7 +42,8 @@ def table(result: EvalResult) -> Table:
         ("wall (s)", "ms", lambda s: s["wall_s"]),
     ]
     config = result.config
-    title = (f"palace eval · mode {config.mode} · kv {config.kv_dtype} · "
+    kv = ",".join(sorted({run.kv_dtype for run in result.runs if run.policy != "reprefill"})) or "-"
+    title = (f"palace eval · mode {config.mode} · kv {kv} · "
              f"full cache peak {result.full_kv_bytes_peak / MIB:.2f} MiB")
     out = Table(title=title)
     out.add_column("measure")

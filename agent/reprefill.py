@@ -46,16 +46,19 @@ class Reprefill:
                                 use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
-    def user_turn(self, text: str, needed: bool) -> float | None:
-        """Append the user's message; re-encode everything only if the harness needs an answer now.
-        Returns the time to the first token's logits in ms, or None when nothing was encoded."""
+    def user_turn(self, text: str) -> float:
+        """Append the user's message and re-encode everything, as the naive way must to answer.
+        Returns the time to the first token's logits in ms."""
         self._append(self.format.user_message(text), self.turn)
-        if not needed:
-            return None
         started = time.perf_counter()
         self.cache = DynamicCache(config=self.loaded.config)
         self.last_logits = self._forward(self.ids)
         return (time.perf_counter() - started) * 1000
+
+    def scripted_turn(self, text: str, reply: str | None) -> list:
+        """A turn whose answer is not needed: only the history grows; nothing to feed."""
+        self._append(self.format.user_message(text), self.turn)
+        return self.reply(reply)
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice after this turn's history, all choices in one forward
@@ -93,12 +96,14 @@ class Reprefill:
         if extra:
             self.cache.crop(-extra)
 
-    def reference_reply(self, text: str | None) -> None:
-        """Append the scripted reply (if any) and the next user header; drop the transient cache."""
+    def reply(self, text: str | None) -> list:
+        """Append the scripted reply (if any) and the next user header; drop the transient cache.
+        Nothing to feed: the history is only encoded when an answer is needed."""
         reply = self.format.assistant_reply(text) if text is not None else []
         self._append(reply + self.format.next_user_header(), self.turn)
         self.turn += 1
         self.cache = None
+        return []
 
     def resident(self) -> Counter[int]:
         """Every token is re-encoded, so every turn is fully present."""

@@ -1,17 +1,37 @@
-"""The attention function the model runs under: SDPA for the output, plus (when the cache asks for it)
+"""The attention function the model runs under: SDPA for the output, plus (when a store asks for it)
 the attention mass each cached token receives, which importance-based eviction (H2O, hybrid) needs.
 
-Both an attention function and a mask function are registered under one name: transformers builds the
-mask from the mask registry, and without that registration causal masking would silently be lost."""
+Tokens of several sequences may be packed into one forward (`kv_pieces`): every linear layer then reads
+its weights once for all of them, and only attention, done here, keeps the sequences apart, each against
+its own store. Both an attention function and a mask function are registered under one name:
+transformers builds the mask from the mask registry, and without that registration causal masking
+would silently be lost."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+if TYPE_CHECKING:
+    from cache.store import KVStore
+
 NAME = "palace"
+
+
+@dataclass
+class Piece:
+    """One sequence's share of a packed forward: the next `count` packed tokens are appended to `store`.
+    `mask` ([1, 1, count, kv_len] bool, on the model's device) is the causal mask, or another one, e.g. to
+    score several choices at once; built once per forward, not once per layer."""
+
+    store: "KVStore"
+    count: int
+    mask: torch.Tensor | None = None
 
 
 def attention_mass(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -31,24 +51,44 @@ def attention_mass(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | 
     return scores.softmax(dim=-1).sum(dim=(1, 2))
 
 
-def palace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA output with the KV heads shared natively (`enable_gqa`: keys are never copied out to every
-    query head, which halves attention time on CPU); if a `kv_store` kwarg is recording importance, also
-    accumulate attention mass. Returns ([batch, q_len, heads, dim], None) like transformers' own."""
+def causal_mask(q_len: int, kv_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, q_len, kv_len] bool: the queries are the newest q_len of kv_len tokens. (SDPA's is_causal
+    aligns to the top left, which is wrong as soon as a cache precedes the queries.)"""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+
+
+def attend(query, key, value, mask, scaling, store: "KVStore | None" = None, layer_idx: int = 0) -> torch.Tensor:
+    """SDPA of one sequence's queries over its keys, [1, q_len, heads, dim]. The KV heads are shared
+    natively (`enable_gqa`: never copied out to every query head, which halves attention time on CPU).
+    A store that is recording importance also receives the attention mass."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and 1 < q_len < kv_len:  # SDPA's is_causal aligns to the top left: spell it out
-        rows = torch.arange(q_len, device=key.device)[:, None] + (kv_len - q_len)
-        attention_mask = (torch.arange(kv_len, device=key.device)[None, :] <= rows)[None, None]
-    elif attention_mask is not None:
-        attention_mask = attention_mask[:, :, :, -kv_len:]
-    store = kwargs.get("kv_store")
+    if mask is None and 1 < q_len < kv_len:
+        mask = causal_mask(q_len, kv_len, key.device)
+    elif mask is not None:
+        mask = mask[:, :, :, -kv_len:]
     if store is not None and store.recording:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        store.add_importance(module.layer_idx, attention_mass(query, key, attention_mask, scale))
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and q_len > 1,
-        scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return output.transpose(1, 2).contiguous(), None
+        store.add_importance(layer_idx, attention_mass(query, key, mask, scale))
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1,
+                                            scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return output.transpose(1, 2)
+
+
+def palace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """With `kv_pieces`: append each piece's new keys/values to its store and attend within it.
+    Without: plain attention over whatever cache transformers passed (e.g. a DynamicCache).
+    Returns ([batch, q_len, heads, dim], None) like transformers' own."""
+    pieces: list[Piece] | None = kwargs.get("kv_pieces")
+    if pieces is None:
+        return attend(query, key, value, attention_mask, scaling).contiguous(), None
+    outputs, start = [], 0
+    for piece in pieces:
+        end = start + piece.count
+        keys, values = piece.store.layers[module.layer_idx].update(key[:, :, start:end], value[:, :, start:end])
+        outputs.append(attend(query[:, :, start:end], keys, values, piece.mask, scaling, piece.store, module.layer_idx))
+        start = end
+    return torch.cat(outputs, dim=1).contiguous(), None
 
 
 AttentionInterface.register(NAME, palace_attention)

@@ -2,7 +2,7 @@
 
 import torch
 
-from agent.engine import SamplingConfig, decode, forward, prefill, sample
+from agent.engine import Feed, SamplingConfig, decode, forward, prefill, prefill_packed, sample
 from cache.policies import PolicyConfig, make_policy
 from cache.store import KVStore
 
@@ -34,6 +34,37 @@ def test_incremental_turns_match_one_full_forward(tiny):
         reference = full_logits(tiny, seen)[-1]
         assert torch.allclose(logits, reference, atol=1e-4), index
         assert aligned(store)
+
+
+def test_packed_prefill_matches_each_store_alone(tiny):
+    """Three stores with different histories, policies and metadata fed in shared forwards: each gets the
+    logits, keys, importance and surprisal it gets when fed alone."""
+    torch.manual_seed(3)
+    histories = [torch.randint(0, 512, (n,)).tolist() for n in (5, 30, 12)]
+    turns = [torch.randint(0, 512, (n,)).tolist() for n in (9, 4, 17)]
+    names = ["full", "h2o", "window"]
+
+    def build(name, history):
+        store = KVStore.for_model(tiny)
+        policy = make_policy(name, PolicyConfig(budget=None if name == "full" else 24))
+        store.recording = policy.needs_importance
+        store.measuring_surprisal = True
+        prefill(tiny, store, policy, history, 0, "user", 0)
+        return store, policy
+
+    alone = [build(n, h) for n, h in zip(names, histories)]
+    together = [build(n, h) for n, h in zip(names, histories)]
+    expected = [prefill(tiny, s, p, ids, 1, "user", 1) for (s, p), ids in zip(alone, turns)]
+    feeds = [Feed(s, p, 1, 1).add(ids[:3], "user").add(ids[3:], "assistant") for (s, p), ids in zip(together, turns)]
+    got = prefill_packed(tiny, feeds)
+    for (a, _), (b, _), want, have in zip(alone, together, expected, got):
+        assert torch.allclose(want, have, atol=1e-5)
+        assert torch.allclose(a.layers[1].storage.fetch()[0], b.layers[1].storage.fetch()[0], atol=1e-5)
+        assert torch.allclose(a.meta.importance, b.meta.importance, atol=1e-4)
+        assert torch.allclose(a.meta.surprisal, b.meta.surprisal, atol=1e-4)
+        assert aligned(b)
+    roles = together[2][0].meta.role[-17:].tolist()
+    assert roles == [1] * 3 + [2] * 14  # the role runs of one feed are declared in order
 
 
 def test_compaction_rerotates_keys_to_their_new_positions(tiny):

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import cli
-from agent.agent import Agent, AgentConfig
+from agent.agent import Agent, AgentConfig, score_together
 from agent.dialogue import load_dialogues
 from agent.harness import Budget, EvalConfig, evaluate, reply_is_correct
+from agent.workers import ModelSpec, WorkerPool
 from agent.model import load_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "harness_dialogue.jsonl"
@@ -79,6 +80,44 @@ def test_score_leaves_the_cache_byte_identical(loaded, dialogues):
         assert torch.equal(column, after["meta"][name]), name
     for old, new in zip(before_layers, after["layers"]):
         assert old.keys() and all(torch.equal(old[k], new[k]) for k in old)
+
+
+def test_scoring_packed_across_agents_equals_scoring_each_alone(loaded, dialogues):
+    """Two policies' caches differ after the same turns; scoring both in one packed forward gives each
+    the scores it gets alone and leaves both stores as they were."""
+    agents = [Agent(loaded, AgentConfig(policy=name, budget_tokens=96, system=dialogues[0].system))
+              for name in ("full", "h2o")]
+    for agent in agents:
+        for turn in dialogues[0].turns[:6]:
+            agent.reference_reply(agent.user_turn(turn.user), turn.assistant)
+        agent.user_turn(dialogues[0].turns[10].user)
+    choices = dialogues[0].turns[10].probe.choices
+    alone = [agent.score(choices) for agent in agents]
+    lengths = [agent.store.length for agent in agents]
+    together = score_together(agents, choices)
+    assert agents[0].store.length != agents[1].store.length
+    assert [agent.store.length for agent in agents] == lengths
+    for want, got in zip(alone, together):
+        assert np.allclose(want, got, atol=1e-3), (want, got)
+    assert alone[0] != alone[1]
+
+
+def test_worker_pool_gives_the_in_process_results(loaded, dialogues, tmp_path):
+    """Two dialogues over two worker processes: the merged runs equal one process's runs."""
+    second = json.loads(FIXTURE.read_text().splitlines()[0])
+    second["id"] = "second"
+    both = tmp_path / "both.jsonl"
+    both.write_text(FIXTURE.read_text().rstrip("\n") + "\n" + json.dumps(second) + "\n")
+    pair = load_dialogues([both])
+    config = EvalConfig(["full", "window", "reprefill"], Budget(WINDOW, percent=False))
+    here = evaluate(loaded, pair, config)
+    pooled = evaluate(loaded, pair, config, pool=WorkerPool(ModelSpec("embedded", "cpu", "float32"), workers=2))
+    for mine, theirs in zip(here.runs, pooled.runs):
+        assert [(p.dialogue, p.turn, p.correct, p.retention) for p in mine.probes] == \
+               [(p.dialogue, p.turn, p.correct, p.retention) for p in theirs.probes]
+        assert [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in mine.turns] == [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in theirs.turns]
+        assert mine.kv_bytes_peak == theirs.kv_bytes_peak and theirs.wall_s > 0
+        assert np.array_equal(mine.residency, theirs.residency, equal_nan=True)
 
 
 def test_generate_mode_keeps_the_scripted_history(loaded, dialogues, result):
