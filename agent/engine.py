@@ -1,7 +1,11 @@
 """Prefill and decode over the managed store (gpt-fast style: small functions, one readable loop).
 
 The store persists across turns, so a turn prefills only its new tokens. Before each forward the policy
-makes room for the incoming tokens; a long message is prefilled in chunks so it never outgrows the budget."""
+makes room for the incoming tokens; a long message is prefilled in chunks so it never outgrows the budget.
+Several stores can be fed in one forward (`prefill_packed`): their tokens are packed along the token
+axis and attention (cache/attention.py) keeps each against its own store. On a CPU a forward of a few
+dozen tokens costs about as much as reading the weights, so the evaluation harness feeds all its cache
+policies' turns this way."""
 
 from __future__ import annotations
 

@@ -295,10 +295,11 @@ def score_lanes(lanes: list[Lane], choices: list[str]) -> list[list[float]]:
     share), the baseline's on its own."""
     shared = [lane for lane in lanes if isinstance(lane.runner, CacheRunner)]
     started = time.perf_counter()
-    together = dict(zip(map(id, shared), score_together([lane.runner.agent for lane in shared], choices)))
+    together = iter(score_together([lane.runner.agent for lane in shared], choices))
     for lane in shared:
         lane.run.wall_s += (time.perf_counter() - started) / len(shared)
-    return [together[id(lane)] if id(lane) in together else lane.timed(lane.runner.score, choices) for lane in lanes]
+    return [next(together) if isinstance(lane.runner, CacheRunner) else lane.timed(lane.runner.score, choices)
+            for lane in lanes]
 
 
 def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: Turn, t: int, last_probe: int,

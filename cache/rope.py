@@ -13,7 +13,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rerotator:
-    """Holds the model's RoPE inverse frequencies; `shift(keys, delta)` moves each key by delta positions."""
+    """Holds the model's RoPE inverse frequencies; `shift(keys, rotation(delta))` moves each key by delta positions."""
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq.detach().float()
@@ -25,9 +25,16 @@ class Rerotator:
             raise ValueError(f"{type(model).__name__} has no rotary embedding with inv_freq; re-rotation needs RoPE")
         return cls(rotary.inv_freq)
 
-    def shift(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """keys: [..., tokens, head_dim]; delta: [tokens] position change per token."""
+    def rotation(self, delta: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, head_dim] of the rotation by `delta` positions per token; the same for
+        every layer, so a compaction computes it once."""
         angles = delta.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1).to(keys.device)
+        angles = torch.cat((angles, angles), dim=-1).to(device)
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def shift(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """keys: [..., tokens, head_dim], rotated in float32 and returned in their own dtype."""
+        cos, sin = rotation
         exact = keys.float()
-        return (exact * angles.cos() + rotate_half(exact) * angles.sin()).to(keys.dtype)
+        return (exact * cos + rotate_half(exact) * sin).to(keys.dtype)

@@ -148,13 +148,14 @@ class KVStore(Cache):
             return
         new_meta = self.meta.select(index)
         delta = torch.arange(index.numel()) - new_meta.position
+        moved, rotation = bool((delta != 0).any()), None
         for layer in self.layers:
             keys, values = layer.storage.fetch()
             device_index = index.to(keys.device)
             kept_keys = keys.index_select(2, device_index)
-            moved = delta != 0
-            if bool(moved.any()):
-                kept_keys = self.rerotator.shift(kept_keys, delta)
+            if moved:
+                rotation = rotation or self.rerotator.rotation(delta, keys.device)
+                kept_keys = self.rerotator.shift(kept_keys, rotation)
             layer.storage.replace(kept_keys, values.index_select(2, device_index))
         new_meta.position = torch.arange(index.numel())
         self.meta = new_meta
