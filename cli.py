@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -18,6 +19,13 @@ WeightsOpt = typer.Option("float", "--weights", help="float, int4 (group-wise 4-
 
 class UserError(Exception):
     """Bad input: reported as one line, exit code 2."""
+
+
+def make_parents(*paths: str | None) -> None:
+    """Create the folders output files go into, so a long run does not fail at its last step."""
+    for path in paths:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def parse_budget(text: str | None) -> int | None:
@@ -141,6 +149,7 @@ def eval_(
     from agent.report import plot, table
     from agent.workers import ModelSpec, WorkerPool, default_workers
 
+    make_parents(json_path, plot_path)  # before the run, not after it
     dialogues = load_dialogues(files)[:limit]
     config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id)
@@ -193,6 +202,7 @@ def bench(
     if not parts or set(parts) - set("ab"):
         raise UserError(f"--parts takes a, b or ab, got {parts!r}")
     config = BenchConfig.preset(quick, threads=threads, parts=parts)
+    make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)
 
 

@@ -143,7 +143,7 @@ def palace(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
-    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    out_json, out_png = tmp_path / "out.json", tmp_path / "figures" / "out.png"  # a folder not yet made
     code, out, _ = palace(monkeypatch, capsys, "eval", str(FIXTURE), "--policy", "full,window", "--budget", "25%",
                           "--json", str(out_json), "--plot", str(out_png))
     assert code == 0 and "accuracy" in out
