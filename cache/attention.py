@@ -67,7 +67,7 @@ def attend(query, key, value, mask, scaling, store: "KVStore | None" = None, lay
         mask = causal_mask(q_len, kv_len, key.device)
     elif mask is not None:
         mask = mask[:, :, :, -kv_len:]
-    if store is not None and store.recording:
+    if store is not None and store.recording and not store.frozen:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         store.add_importance(layer_idx, attention_mass(query, key, mask, scale))
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1,

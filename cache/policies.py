@@ -126,7 +126,7 @@ class HybridConfig:
     hot_share: float = 0.30  # the last `hot_turns` turns, whole (LRU: the oldest is demoted first)
     hot_turns: int = 4
     granularity: str = "token"  # temporary tier evicted by "token" or by whole "segment"
-    score: str = "surprisal"  # temporary ranking: "attention" (H2O/SnapKV mass), "surprisal", or "mix"
+    score: str = "mix"  # temporary ranking: "attention" (H2O mass received), "surprisal" (when fed), or "mix" (both)
     context: int = 2  # tokens kept on each side of a kept temporary token, so a fact keeps its frame
 
 
@@ -198,16 +198,21 @@ class Hybrid(Policy):
 
     def _best_temporary(self, meta: TokenMeta, candidates: torch.Tensor, room: int) -> torch.Tensor:
         """Fill `room` with the best-ranked candidates. Token granularity keeps each chosen token with
-        `context` neighbours (the largest top-k whose spans fit, found by bisection, then single tokens);
-        segment granularity ranks whole segments by their mean score."""
+        `context` neighbours (the largest top-k whose spans fit, found by bisection, then single tokens)
+        and ranks a token by the summed score of that span: a fact's information is spread over several
+        tokens (this tokenizer splits numbers into single digits of ~3 nats each, while one unexpected
+        word at the start of a message can carry 10), so what a kept span holds is its total.
+        Segment granularity ranks whole segments by their mean score."""
         score = self.scores(meta)
+        width = 0 if self.hybrid.granularity == "segment" else self.hybrid.context
+        if width:  # rank by the span a kept token brings along (a sum; the mean ranks the same)
+            score = torch.nn.functional.avg_pool1d(score[None, None], 2 * width + 1, 1, width)[0, 0]
         if self.hybrid.granularity == "segment":
             segment_ids, inverse = torch.unique(meta.segment, return_inverse=True)
             totals = torch.zeros(segment_ids.numel()).index_add_(0, inverse, score)
             counts = torch.zeros(segment_ids.numel()).index_add_(0, inverse, torch.ones_like(score))
             score = (totals / counts)[inverse] - meta.position.float() * 1e-9  # whole segments, newest first
         order = torch.argsort(score.masked_fill(~candidates, float("-inf")), descending=True)[: int(candidates.sum())]
-        width = 0 if self.hybrid.granularity == "segment" else self.hybrid.context
 
         def spread(count: int) -> torch.Tensor:
             chosen = torch.zeros(len(meta))

@@ -61,6 +61,20 @@ def test_temporary_tier_keeps_the_most_informative_tokens():
     assert kept.numel() == 100 - 10 - 30 and kept.min() >= dropped.max()
 
 
+def test_token_spans_are_ranked_by_the_information_they_hold():
+    """One surprising word (5 nats) against a five-digit number of 2 nats per digit: with room for one
+    span of five tokens, the number's span holds more and is kept, although each digit scores lower."""
+    meta = synthetic_meta()
+    meta.surprisal = torch.full((len(meta),), 0.1)
+    temporary_start = 10  # turn -1 (10 tokens) is permanent
+    meta.surprisal[temporary_start + 20] = 5.0  # the word
+    number = torch.arange(temporary_start + 60, temporary_start + 65)
+    meta.surprisal[number] = 2.0
+    policy = make_policy("hybrid", PolicyConfig(budget=100), HybridConfig(context=2, hot_turns=3, score="surprisal"))
+    keep = policy._best_temporary(meta, policy.tiers(meta)["temporary"], room=5)
+    assert int(keep.sum()) == 5 and bool(keep[number].all()) and not bool(keep[temporary_start + 20])
+
+
 def test_segment_granularity_keeps_whole_segments():
     meta = synthetic_meta()
     policy = make_policy("hybrid", PolicyConfig(budget=100), HybridConfig(granularity="segment", hot_turns=3))
