@@ -97,7 +97,7 @@ def plot(result: EvalResult, path: str) -> None:
         style = "o" if len(turns) < len(kv) else "-"  # reprefill: measured at probe turns only
         ax_ttft.plot(turns, ttft, style, color=colors[run.policy], label=run.policy, markersize=3)
     ax_kv.set(title="KV cache per turn (mean over dialogues)", xlabel="turn", ylabel="MiB")
-    ax_ttft.set(title="time to first token per turn (mean)", xlabel="turn", ylabel="ms")
+    ax_ttft.set(title="time to first token at probe turns (mean)", xlabel="turn", ylabel="ms")
     for ax in (ax_kv, ax_ttft):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
