@@ -77,20 +77,17 @@ def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list
     """Append ids[i] to stores[i] (metadata already declared with expect), all in one forward, each
     continuing its sequence causally. Returns each sequence's last logits; fills surprisal for the
     stores that measure it (which needs the logits of every position)."""
-    ends = torch.tensor([len(seq) for seq in ids]).cumsum(0).tolist()
-    keep = []
-    for store, seq, end in zip(stores, ids, ends):
-        keep += range(end - len(seq), end) if store.measuring_surprisal else [end - 1]
+    kept = [len(seq) if store.measuring_surprisal else 1 for store, seq in zip(stores, ids)]
+    keep, end = [], 0
+    for seq, count in zip(ids, kept):
+        end += len(seq)
+        keep += range(end - count, end)
     positions = [torch.arange(store.length, store.length + len(seq)) for store, seq in zip(stores, ids)]
-    logits = _packed(model, stores, ids, positions, [None] * len(stores), keep)
-    lasts, offset = [], 0
-    for store, seq in zip(stores, ids):
-        kept = len(seq) if store.measuring_surprisal else 1
+    logits = torch.split(_packed(model, stores, ids, positions, [None] * len(stores), keep), kept)
+    for store, seq, part in zip(stores, ids, logits):
         if store.measuring_surprisal:
-            store.add_surprisal(seq, logits[offset : offset + kept])
-        lasts.append(logits[offset + kept - 1].float())
-        offset += kept
-    return lasts
+            store.add_surprisal(seq, part)
+    return [part[-1].float() for part in logits]
 
 
 def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
@@ -105,11 +102,6 @@ def forward_forks(model: torch.nn.Module, stores: list[KVStore], ids: list[list[
     several candidate replies side by side this way, then crops them off."""
     logits = _packed(model, stores, ids, positions, masks, list(range(sum(len(seq) for seq in ids))))
     return [part.float() for part in torch.split(logits, [len(seq) for seq in ids])]
-
-
-def forward_all(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
-    """Feed `ids` to one store, continuing its sequence, and return the logits of every fed position."""
-    return forward_forks(model, [store], [ids], [torch.arange(store.length, store.length + len(ids))], [None])[0]
 
 
 def prefill_packed(model, feeds: list[Feed]) -> list[torch.Tensor | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine import forward_all
+from agent.engine import forward_forks
 from agent.model import tiny_llama
 from cache.paged import PagedStorage
 from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
@@ -36,7 +36,7 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 def feed(model, store: KVStore, ids: list[int]) -> torch.Tensor:
     store.expect(len(ids), 0, "user", 0)
-    return forward_all(model, store, ids)
+    return forward_forks(model, [store], [ids], [torch.arange(store.length, store.length + len(ids))], [None])[0]
 
 
 @pytest.fixture(scope="module")
