@@ -143,11 +143,11 @@ def eval_(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agent.dialogue import load_dialogues
-    from agent.harness import Budget, EvalConfig, evaluate
+    from agent.eval.dialogue import load_dialogues
+    from agent.eval.harness import Budget, EvalConfig, evaluate
     from agent.model import load_model
-    from agent.report import plot, table
-    from agent.workers import ModelSpec, WorkerPool, default_workers
+    from agent.eval.report import plot, table
+    from agent.eval.workers import ModelSpec, WorkerPool, default_workers
 
     make_parents(json_path, plot_path)  # before the run, not after it
     dialogues = load_dialogues(files)[:limit]
@@ -174,7 +174,7 @@ app.add_typer(data_app, name="data")
 @data_app.command("check")
 def data_check(files: list[str] = typer.Argument(..., help="Dialogue files or directories.")) -> None:
     """Validate dialogue files: one line per file with its counts, or the first problem found."""
-    from agent.dialogue import DialogueError, load_dialogues
+    from agent.eval.dialogue import DialogueError, load_dialogues
 
     try:
         for path in files:
@@ -197,7 +197,7 @@ def bench(
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
-    from agent.bench import BenchConfig, run_bench
+    from agent.bench.bench import BenchConfig, run_bench
 
     if not parts or set(parts) - set("ab"):
         raise UserError(f"--parts takes a, b or ab, got {parts!r}")

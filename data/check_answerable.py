@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent.dialogue import Dialogue, load_dialogues  # noqa: E402
+from agent.eval.dialogue import Dialogue, load_dialogues  # noqa: E402
 from agent.model import convert_embedded  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from agent.dialogue import load_dialogues  # noqa: E402
+from agent.eval.dialogue import load_dialogues  # noqa: E402
 
 N_TURNS = 50
 AGENTS = ["Nova", "Max", "Iris", "Leo", "Juno", "Remy", "Ada", "Milo", "Kai", "Zoe", "Otto", "Bea"]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.bench import (WEIGHT_LABELS, BenchConfig, best_of, build_histories, bench_text, dialogue_turns, install,
+from agent.bench.bench import (WEIGHT_LABELS, BenchConfig, best_of, build_histories, bench_text, dialogue_turns, install,
                          part_a, part_b, random_turns, render_part_a, render_part_b, sentences)
 from agent.model import tiny_llama
 from cache.storage import make_storage

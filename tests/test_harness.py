@@ -13,9 +13,9 @@ import torch
 
 import cli
 from agent.agent import Agent, AgentConfig, score_together
-from agent.dialogue import load_dialogues
-from agent.harness import Budget, EvalConfig, evaluate, reply_is_correct
-from agent.workers import ModelSpec, WorkerPool
+from agent.eval.dialogue import load_dialogues
+from agent.eval.harness import Budget, EvalConfig, evaluate, reply_is_correct
+from agent.eval.workers import ModelSpec, WorkerPool
 from agent.model import load_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "harness_dialogue.jsonl"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agent.bench import bench_text, tokenize, top1_agreement
+from agent.bench.bench import bench_text, tokenize, top1_agreement
 from agent.model import ModelError, load_model, prepare, tiny_llama
 from agent.qlinear import Int4Linear, Int8Linear, module_bytes
 

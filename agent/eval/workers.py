@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from agent.dialogue import Dialogue
-from agent.harness import EvalConfig, PolicyRun, merge_runs, run_policies
+from agent.eval.dialogue import Dialogue
+from agent.eval.harness import EvalConfig, PolicyRun, merge_runs, run_policies
 from agent.model import LoadedModel, load_model
 
 

@@ -26,9 +26,9 @@ import torch
 from agent.agent import Agent, AgentConfig, score_together
 from agent.chat_format import ChatFormat
 from agent.engine import Feed, prefill_packed
-from agent.dialogue import Dialogue, Probe, Turn
+from agent.eval.dialogue import Dialogue, Probe, Turn
 from agent.model import LoadedModel
-from agent.reprefill import Reprefill
+from agent.eval.reprefill import Reprefill
 from cache.policies import POLICIES
 from cache.storage import KV_DTYPES
 

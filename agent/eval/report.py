@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from rich.table import Table
 
-from agent.harness import EvalResult
+from agent.eval.harness import EvalResult
 
 MIB = 1024 * 1024
 

@@ -1,0 +1,1 @@
+"""Benchmarks: engine speed against transformers generate(), and KV storage strategies at long histories."""
