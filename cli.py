@@ -28,23 +28,11 @@ def make_parents(*paths: str | None) -> None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
-def parse_budget(text: str | None) -> int | None:
-    if text is None or text.lower() in ("none", "full"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise UserError(f"--budget must be a token count like 1024, got {text!r}") from None
-    if value < 16:
-        raise UserError(f"--budget must be at least 16 tokens, got {value}")
-    return value
-
-
 @app.command()
 def chat(
     model: str = ModelOpt,
     policy: str = typer.Option("hybrid", help="full, window, sink, h2o or hybrid."),
-    budget: Optional[str] = typer.Option("1024", help="KV budget in tokens, or 'none'."),
+    budget: str = typer.Option("1024", help="KV budget in tokens, or 'none'."),
     max_new_tokens: int = typer.Option(128, min=1),
     temperature: float = typer.Option(0.0, min=0.0),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0),
@@ -59,9 +47,12 @@ def chat(
 ) -> None:
     """Chat in the terminal. Commands: /stats, /reset, /quit. Piped stdin: one message per line."""
     from agent import Agent, AgentConfig, SamplingConfig
+    from cache.policies import Budget
+    from cache.storage import StorageConfig
 
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
-                         budget_tokens=parse_budget(budget), system=system, kv_dtype=kv_dtype, paged=paged,
+                         budget_tokens=Budget.parse(budget).tokens(), system=system,
+                         storage=StorageConfig(kv_dtype, paged=paged),
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()
@@ -99,8 +90,6 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
     loaded = load_model(model, device, dtype)
     config = loaded.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = loaded.dtype.itemsize
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
     rows = {
         "model": loaded.name,
         "family": config.model_type,
@@ -111,8 +100,8 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
         "query_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
         "head_dim": head_dim,
-        "bytes_per_cached_token": per_token,
-        "bytes_per_token_without_gqa": per_token * config.num_attention_heads // config.num_key_value_heads,
+        "bytes_per_cached_token": loaded.kv_bytes_per_token(),
+        "bytes_per_token_without_gqa": loaded.kv_bytes_per_token(gqa=False),
     }
     for key, value in rows.items():
         typer.echo(f"{key:28} {value}")
@@ -144,10 +133,11 @@ def eval_(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agent.eval.dialogue import load_dialogues
-    from agent.eval.harness import Budget, EvalConfig, evaluate
+    from agent.eval.harness import EvalConfig, evaluate
     from agent.model import load_model
     from agent.eval.report import plot, table
     from agent.eval.workers import ModelSpec, WorkerPool, default_workers
+    from cache.policies import Budget
 
     make_parents(json_path, plot_path)  # before the run, not after it
     dialogues = load_dialogues(files)[:limit]

@@ -17,12 +17,12 @@ from typing import Iterator
 import torch
 
 from agent.chat_format import ChatFormat
-from agent.engine import Feed, SamplingConfig, decode, forward_forks, prefill_packed
+from agent.engine import Feed, SamplingConfig, decode, prefill_packed
 from agent.model import EMBEDDED, LoadedModel, load_model
-from agent.scoring import ChoiceBatch
+from agent.scoring import score_together
 from cache.policies import HybridConfig, PolicyConfig, make_policy
-from cache.storage import make_storage
-from cache.store import ROLES, KVStore
+from cache.storage import StorageConfig
+from cache.store import KVStore
 
 
 @dataclass
@@ -30,12 +30,11 @@ class AgentConfig:
     model: str = EMBEDDED
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "float"  # or "int8" (CPU)
+    weights: str = "float"  # or "int8" / "int4" (CPU)
     policy: str = "hybrid"
     budget_tokens: int | None = 1024
     sink_tokens: int = 4
-    kv_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 | int4 | fp8 | dynamic
-    paged: bool = False  # KV in fixed-size blocks from a pool
+    storage: StorageConfig = field(default_factory=StorageConfig)  # kv dtype, paged blocks
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -43,6 +42,8 @@ class AgentConfig:
 
 @dataclass
 class Turn:
+    """One user turn as the agent handles it: its index, the user's words and its topic segment."""
+
     index: int
     text: str
     segment: int
@@ -60,6 +61,14 @@ class TurnTiming:
 
 
 class Agent:
+    """A chat over one model, one managed KV store and its cache policy.
+
+    Chat and embedding programs use `chat`, `stream`, `score`, `pin`/`unpin`, `stats` and `reset`.
+    A turn is also available step by step (`observe`, `recall`, `prefill`, `remember`), and each step that
+    feeds tokens has a `*_feed` twin that returns the tokens instead of feeding them, so a caller can
+    pack several agents' feeds into shared forwards (`agent.engine.prefill_packed`); evaluation drives
+    agents that way, by teacher forcing."""
+
     def __init__(self, loaded: LoadedModel, config: AgentConfig | None = None):
         self.loaded = loaded
         self.config = config or AgentConfig()
@@ -68,7 +77,6 @@ class Agent:
             self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens),
             self.config.hybrid,
         )
-        self.storage = make_storage(self.config.kv_dtype, paged=self.config.paged)
         self.reset()
 
     @classmethod
@@ -82,25 +90,23 @@ class Agent:
 
     def reset(self) -> None:
         """Forget the conversation: a fresh store holding only the system prompt and first user header."""
-        self.store = KVStore.for_model(self.model, self.storage)
-        self.store.recording = self.policy.needs_importance
-        self.store.measuring_surprisal = self.policy.needs_surprisal
+        self.store = KVStore.for_model(self.model, self.policy, self.config.storage)
         self.turn_index = 0
         self.timing = TurnTiming()
-        system = Feed(self.store, self.policy, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
-        self.last_logits = self._feed(system)
+        system = Feed(self.store, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
+        prefill_packed(self.model, [system])
 
     # --- the turn ---------------------------------------------------------------------------------
     def stream(self, text: str) -> Iterator[str]:
+        """Reply to `text`, yielding the reply's text as it is decoded."""
         started = time.perf_counter()
         turn = self.observe(text)
         self.recall(turn)
-        logits = self.prefill_user(turn)
+        self.prefill(turn)
         ids: list[int] = []
         shown = ""
         first_at = None
-        for token in decode(self.model, self.store, self.policy, logits, self.format.end_of_turn,
-                            self.config.sampling, turn.index, turn.segment):
+        for token in decode(self.model, self.store, self.format.end_of_turn, self.config.sampling, turn.index, turn.segment):
             if first_at is None:
                 first_at = time.perf_counter()
                 self.timing = TurnTiming(ttft_ms=(first_at - started) * 1000)
@@ -129,72 +135,30 @@ class Agent:
     def recall(self, turn: Turn) -> None:
         """Re-inject archived history relevant to this turn. No long-term store is attached yet."""
 
-    def prefill_user(self, turn: Turn) -> torch.Tensor:
-        self.last_logits = self._feed(self.user_feed(turn))
-        return self.last_logits
+    def prefill(self, turn: Turn) -> None:
+        """Feed the user's words and the assistant header; the store's next-token logits then start the reply."""
+        prefill_packed(self.model, [self.user_feed(turn)])
 
-    def remember(self, turn: Turn) -> None:
-        """Pre-warm: feed the reply's closing and the next user header now, off the next turn's clock."""
-        self._feed(self.reply_feed(turn, None))
+    def remember(self, turn: Turn, reply: str | None = None) -> None:
+        """After the reply: feed its closing and pre-warm the next user header, off the next turn's clock.
+        `reply`: a reply's text to feed as history first (teacher forcing), when decode did not feed it."""
+        prefill_packed(self.model, [self.reply_feed(turn, reply)])
 
     def user_feed(self, turn: Turn) -> Feed:
-        """The user's message and the assistant header."""
-        return Feed(self.store, self.policy, turn.index, turn.segment).add(self.format.user_message(turn.text), "user")
+        """What `prefill` feeds: the user's message and the assistant header."""
+        return Feed(self.store, turn.index, turn.segment).add(self.format.user_message(turn.text), "user")
 
-    def reply_feed(self, turn: Turn, text: str | None) -> Feed:
-        """A reply's text (None: already fed by decode), its closing and the next user header (pre-warm)."""
-        feed = Feed(self.store, self.policy, turn.index, turn.segment)
-        return feed.add(self.format.assistant_reply(text) if text is not None else [], "assistant").add(
-            self.format.next_user_header(), "assistant")
-
-    def _feed(self, feed: Feed) -> torch.Tensor:
-        return prefill_packed(self.model, [feed])[0]
-
-    # --- scripted dialogues (teacher forcing) and choice scoring ------------------------------------------
-    def user_turn(self, text: str) -> Turn:
-        """Observe, recall and prefill a user message without replying; returns the turn (timing.ttft_ms
-        holds the time to the first token's logits)."""
-        started = time.perf_counter()
-        turn = self.observe(text)
-        self.recall(turn)
-        self.prefill_user(turn)
-        self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
-        return turn
-
-    def reference_reply(self, turn: Turn, text: str) -> None:
-        """Feed a scripted assistant reply as history and pre-warm the next turn, in one forward."""
-        self._feed(self.reply_feed(turn, text))
-
-    def scripted_turn(self, text: str, reply: str | None) -> Feed:
-        """Observe and recall a scripted turn whose answer is not needed, and return all of it (the user's
-        message, the reference reply, the next header) as one feed, for the caller to prefill, possibly
-        packed with other agents' turns in shared forwards."""
-        turn = self.observe(text)
-        self.recall(turn)
-        return self.user_feed(turn).add(self.reply_feed(turn, reply).ids, "assistant")
+    def reply_feed(self, turn: Turn, reply: str | None = None) -> Feed:
+        """What `remember` feeds: a reply's text (None: already fed by decode), then its closing and the
+        next user header, which opens the user's next message."""
+        feed = Feed(self.store, turn.index, turn.segment)
+        return feed.add(self.format.assistant_reply(reply) if reply is not None else [], "assistant").add(
+            self.format.next_user_header(), "user")
 
     def score(self, choices: list[str]) -> list[float]:
-        """Total log-probability of each choice as the assistant's reply, from the cache as it is now;
-        the store is left exactly as it was (see score_together)."""
-        return score_together([self], choices)[0]
-
-    def draft(self, turn: Turn, max_new_tokens: int) -> tuple[list[int], float]:
-        """Greedy reply from the current state, then cropped off so a scripted history can continue with
-        its reference reply; returns the ids and seconds spent decoding. Importance is not recorded for
-        tokens that will not stay; eviction the policy does while decoding stays, as it would in a chat."""
-        config = SamplingConfig(max_new_tokens=max_new_tokens)
-        started = time.perf_counter()
-        self.store.frozen = True
-        try:
-            ids = list(decode(self.model, self.store, self.policy, self.last_logits, self.format.end_of_turn,
-                              config, turn.index, turn.segment))
-        finally:
-            self.store.frozen = False
-        elapsed = time.perf_counter() - started
-        meta = self.store.meta
-        drafted = (meta.turn == turn.index) & (meta.role == ROLES["assistant"])  # the tail: no reply fed yet
-        self.store.truncate(self.store.length - int(drafted.sum()))
-        return ids, elapsed
+        """Total log-probability of each choice as the continuation of the cache as it is now (after
+        `prefill`, as the assistant's reply); the store is left exactly as it was."""
+        return score_together(self.model, self.format, [self.store], choices)[0]
 
     # --- persistent markers -----------------------------------------------------------------------
     def pin(self, text: str) -> int:
@@ -226,7 +190,7 @@ class Agent:
             "kv_bytes": self.store.memory_bytes(),
             "policy": self.policy.name,
             "budget": self.policy.budget,
-            "kv_dtype": self.config.kv_dtype,
+            "kv_dtype": self.config.storage.kv_dtype,
             "pinned_tokens": int(meta.pinned.sum()),
             "tiers": {name: int(mask.sum()) for name, mask in self.policy.tiers(meta).items()},
             "turns": self.turn_index,
@@ -234,27 +198,3 @@ class Agent:
             "decode_tok_s": round(self.timing.decode_tok_s, 2),
         }
 
-
-def score_together(agents: list[Agent], choices: list[str]) -> list[list[float]]:
-    """Score the same choices against each agent's cache, all in one forward: every agent's choices are
-    fed side by side after its history (each masked to see the history and itself only), then cropped
-    off with importance and surprisal frozen, so every store is left exactly as it was. The agents share
-    one model."""
-    if not agents:
-        return []
-    batch = ChoiceBatch.build(agents[0].format, choices)
-    if not batch.ids:
-        return [batch.totals(agent.last_logits, None) for agent in agents]
-    stores = [agent.store for agent in agents]
-    lengths = [store.length for store in stores]
-    try:
-        for agent, store in zip(agents, stores):
-            store.frozen = True
-            store.expect(len(batch.ids), agent.turn_index, "assistant", -1, batch.ids)
-        logits = forward_forks(agents[0].model, stores, [batch.ids] * len(agents),
-                               [batch.positions(length)[0] for length in lengths], [batch.mask(length) for length in lengths])
-    finally:
-        for store, length in zip(stores, lengths):
-            store.truncate(length)
-            store.frozen = False
-    return [batch.totals(agent.last_logits, fed) for agent, fed in zip(agents, logits)]

@@ -1,7 +1,8 @@
 """Prefill and decode over the managed store (gpt-fast style: small functions, one readable loop).
 
-The store persists across turns, so a turn prefills only its new tokens. Before each forward the policy
-makes room for the incoming tokens; a long message is prefilled in chunks so it never outgrows the budget.
+The store persists across turns, so a turn prefills only its new tokens. Before each forward the store's
+policy makes room for the incoming tokens; a long message is prefilled in chunks so it never outgrows the
+budget. Every forward leaves the logits that predict the next token in `store.next_logits`.
 Several stores can be fed in one forward (`prefill_packed`): their tokens are packed along the token
 axis and attention (cache/attention.py) keeps each against its own store. On a CPU a forward of a few
 dozen tokens costs about as much as reading the weights, so the evaluation harness feeds all its cache
@@ -15,7 +16,6 @@ from typing import Iterator
 import torch
 
 from cache.attention import Piece, causal_mask
-from cache.policies import Policy
 from cache.store import KVStore
 
 
@@ -30,11 +30,9 @@ class SamplingConfig:
 
 @dataclass
 class Feed:
-    """What one store is to be fed: token ids with their metadata (turn, segment, a role per token), and
-    the policy that makes room for them."""
+    """What one store is to be fed: token ids with their metadata (turn, segment, a role per token)."""
 
     store: KVStore
-    policy: Policy
     turn: int
     segment: int
     ids: list[int] = field(default_factory=list)
@@ -43,6 +41,12 @@ class Feed:
     def add(self, ids: list[int], role: str) -> "Feed":
         self.ids += ids
         self.roles += [role] * len(ids)
+        return self
+
+    def then(self, other: "Feed") -> "Feed":
+        """This feed followed by another of the same store and turn, as one feed."""
+        self.ids += other.ids
+        self.roles += other.roles
         return self
 
     def declare(self, start: int, count: int) -> None:
@@ -73,10 +77,10 @@ def _packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]],
     return out.logits[0]
 
 
-def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]]) -> list[torch.Tensor]:
+def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]]) -> None:
     """Append ids[i] to stores[i] (metadata already declared with expect), all in one forward, each
-    continuing its sequence causally. Returns each sequence's last logits; fills surprisal for the
-    stores that measure it (which needs the logits of every position)."""
+    continuing its sequence causally, and leave each store's next-token logits in it; surprisal is
+    filled for the stores that measure it (which needs the logits of every position)."""
     kept = [len(seq) if store.measuring_surprisal else 1 for store, seq in zip(stores, ids)]
     keep, end = [], 0
     for seq, count in zip(ids, kept):
@@ -85,46 +89,44 @@ def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list
     positions = [torch.arange(store.length, store.length + len(seq)) for store, seq in zip(stores, ids)]
     logits = torch.split(_packed(model, stores, ids, positions, [None] * len(stores), keep), kept)
     for store, seq, part in zip(stores, ids, logits):
-        if store.measuring_surprisal:
-            store.add_surprisal(seq, part)
-    return [part[-1].float() for part in logits]
+        store.observe_logits(seq, part)
 
 
 def forward(model: torch.nn.Module, store: KVStore, ids: list[int]) -> torch.Tensor:
-    """Append `ids` to one store and return the last position's logits."""
-    return forward_packed(model, [store], [ids])[0]
+    """Append `ids` to one store; its next-token logits."""
+    forward_packed(model, [store], [ids])
+    return store.next_logits
 
 
 def forward_forks(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]], positions: list[torch.Tensor],
                   masks: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Feed each store `ids[i]` at explicit positions under an explicit [1, 1, len, kv_len] bool mask (None:
     causal), all in one forward, and return the logits of every fed position, per store. Scoring feeds
-    several candidate replies side by side this way, then crops them off."""
+    several candidate replies side by side this way, inside a fork of each store."""
     logits = _packed(model, stores, ids, positions, masks, list(range(sum(len(seq) for seq in ids))))
     return [part.float() for part in torch.split(logits, [len(seq) for seq in ids])]
 
 
-def prefill_packed(model, feeds: list[Feed]) -> list[torch.Tensor | None]:
-    """Feed every store its ids, all stores sharing each forward, in policy-sized chunks (each policy
-    evicts before each of its chunks). Returns each feed's last logits (None for an empty feed)."""
-    fed, lasts = [0] * len(feeds), [None] * len(feeds)
+def prefill_packed(model, feeds: list[Feed]) -> None:
+    """Feed every store its ids, all stores sharing each forward, in policy-sized chunks (each store's
+    policy evicts before each of its chunks)."""
+    fed = [0] * len(feeds)
     while active := [i for i, feed in enumerate(feeds) if fed[i] < len(feed.ids)]:
         pieces = []
         for i in active:
             feed = feeds[i]
-            piece = feed.ids[fed[i] : fed[i] + (feed.policy.max_chunk() or len(feed.ids))]
-            feed.policy.make_room(feed.store, len(piece))
+            piece = feed.ids[fed[i] : fed[i] + (feed.store.policy.max_chunk() or len(feed.ids))]
+            feed.store.make_room(len(piece))
             feed.declare(fed[i], len(piece))
             fed[i] += len(piece)
             pieces.append(piece)
-        for i, logits in zip(active, forward_packed(model, [feeds[i].store for i in active], pieces)):
-            lasts[i] = logits
-    return lasts
+        forward_packed(model, [feeds[i].store for i in active], pieces)
 
 
-def prefill(model, store: KVStore, policy: Policy, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
-    """Feed one store `ids` of one role in policy-sized chunks, evicting before each; the last logits."""
-    return prefill_packed(model, [Feed(store, policy, turn, segment).add(ids, role)])[0]
+def prefill(model, store: KVStore, ids: list[int], turn: int, role: str, segment: int) -> torch.Tensor:
+    """Feed one store `ids` of one role in policy-sized chunks, evicting before each; its next-token logits."""
+    prefill_packed(model, [Feed(store, turn, segment).add(ids, role)])
+    return store.next_logits
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
@@ -143,16 +145,16 @@ def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def decode(model, store: KVStore, policy: Policy, logits: torch.Tensor, stop: list[int], config: SamplingConfig,
-           turn: int, segment: int) -> Iterator[int]:
-    """Sample, yield and feed tokens one at a time until an end-of-turn token or `max_new_tokens`.
-    The stop token itself is not fed: the next turn's pre-warm feeds the closing framing."""
+def decode(model, store: KVStore, stop: list[int], config: SamplingConfig, turn: int, segment: int) -> Iterator[int]:
+    """Sample from the store's next-token logits, yield and feed tokens one at a time until an
+    end-of-turn token or `max_new_tokens`. The stop token itself is not fed: the next turn's pre-warm
+    feeds the closing framing."""
     generator = torch.Generator().manual_seed(config.seed) if config.temperature > 0 else None
     for _ in range(config.max_new_tokens):
-        token = sample(logits, config, generator)
+        token = sample(store.next_logits, config, generator)
         if token in stop:
             return
         yield token
-        policy.make_room(store, 1)
+        store.make_room(1)
         store.expect(1, turn, "assistant", segment, [token])
-        logits = forward(model, store, [token])
+        forward(model, store, [token])

@@ -17,9 +17,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2")
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 
 class ModelError(RuntimeError):
     """A model could not be found or loaded; the message is one line meant for the user."""
@@ -42,6 +39,18 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None, gqa: bool = True) -> int:
+        """Bytes one cached token takes in float storage of `dtype` (default: the model's)."""
+        return kv_bytes_per_token(self.config, dtype or self.dtype, gqa)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, gqa: bool = True) -> int:
+    """Keys and values of every layer for one token, for the model's KV heads (or, without GQA, one
+    per query head), in float storage of `dtype`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = config.num_key_value_heads if gqa else config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 def cache_dir() -> Path:
@@ -102,8 +111,9 @@ def convert_embedded() -> Path:
     tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     local_files_only=True)
     # The weights are already dequantized to float32; drop the GGUF marker so the model serialises as plain.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -136,15 +146,15 @@ def load_model(spec: str = EMBEDDED, device: str = "auto", dtype: str = "float32
         if not (path / "config.json").is_file():
             raise ModelError(f"no model at {spec!r}: expected a local Hugging Face directory with config.json (or 'embedded')")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any parse failure is the user's file
         raise ModelError(f"could not read {path / 'config.json'}: {exc}") from None
     if config.model_type not in SUPPORTED_FAMILIES:
         raise ModelError(f"model family {config.model_type!r} at {spec!r} is not supported (use {', '.join(SUPPORTED_FAMILIES)})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model = prepare(model, torch_device, weights)
     return LoadedModel(model, tokenizer, name)
 
@@ -185,21 +195,3 @@ def quantize_linear_int4(model: torch.nn.Module, inplace: bool = False) -> torch
     from agent.qlinear import quantize_linear
 
     return quantize_linear(model if inplace else copy.deepcopy(model), "int4")
-
-
-def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 512):
-    """A tiny random GQA Llama (4 query heads, 2 KV heads) built from a config: fast unit tests, no weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-    )
-    return prepare(LlamaForCausalLM(config), torch.device("cpu"))

@@ -3,15 +3,19 @@
 On CPU a forward of a few tokens costs about as much as reading the weights once, so k choices in
 k forwards cost k times that. Here all choices are fed as one sequence after the shared history: each
 choice gets the positions it would have alone and a mask that lets it see the history and its own
-earlier tokens only, so every choice's log-probability equals the one-at-a-time score."""
+earlier tokens only, so every choice's log-probability equals the one-at-a-time score. Several stores
+(one per cache policy, in evaluation) are scored in one forward, each inside a fork that rolls it back."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
 from agent.chat_format import ChatFormat
+from agent.engine import forward_forks
+from cache.store import KVStore
 
 
 @dataclass
@@ -54,3 +58,22 @@ class ChoiceBatch:
                 offset += len(reply) - 1
             totals.append(total)
         return totals
+
+
+def score_together(model: torch.nn.Module, fmt: ChatFormat, stores: list[KVStore], choices: list[str]) -> list[list[float]]:
+    """Total log-probability of each choice as the continuation of each store, all stores in one
+    forward: every store's choices are fed side by side after its history (each masked to see the
+    history and itself only) inside a fork, so every store is left exactly as it was."""
+    batch = ChoiceBatch.build(fmt, choices)
+    if not batch.ids:
+        return [batch.totals(store.next_logits, None) for store in stores]
+    with ExitStack() as forks:
+        for store in stores:
+            forks.enter_context(store.fork())
+        lengths = [store.length for store in stores]
+        for store in stores:
+            turn = int(store.meta.turn[-1]) if len(store.meta) else -1
+            store.expect(len(batch.ids), turn, "assistant", -1, batch.ids)
+        logits = forward_forks(model, stores, [batch.ids] * len(stores),
+                               [batch.positions(length)[0] for length in lengths], [batch.mask(length) for length in lengths])
+        return [batch.totals(store.next_logits, fed) for store, fed in zip(stores, logits)]

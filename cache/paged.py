@@ -12,11 +12,18 @@ import torch
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 
 
-class BlockPool:
-    """One layer's blocks: keys/values [num_blocks, kv_heads, block_size, head_dim], a free list and ref
-    counts. Capacity doubles when the free list runs dry; blocks are never moved, only reused."""
+class BlockPoolExhausted(RuntimeError):
+    """Every block of a pool is in use: the store holds more than it was sized for."""
 
-    def __init__(self, block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None):
+
+class BlockPool:
+    """One store's blocks, shared by all its layers: keys/values [blocks, kv_heads, block_size, head_dim],
+    a free list and ref counts. At most `max_blocks` blocks ever exist (the storage behind them grows in
+    steps up to that); asking for one more raises BlockPoolExhausted instead of growing without bound.
+    Blocks are never moved, only reused."""
+
+    def __init__(self, max_blocks: int, block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None):
+        self.max_blocks = max_blocks
         self.block_size = block_size
         self.dtype = dtype  # None: take the dtype of the first keys written
         self.keys: torch.Tensor | None = None
@@ -32,13 +39,20 @@ class BlockPool:
         """Bytes of one block, keys plus values."""
         return 2 * self.keys[0].numel() * self.keys.element_size() if self.keys is not None else 0
 
+    def nbytes(self) -> int:
+        """Bytes the pool holds, used or free."""
+        return self.num_blocks * self.block_bytes()
+
     @torch.inference_mode(False)
     def _grow(self, like: torch.Tensor) -> None:
         """like: [kv_heads, tokens, head_dim]; fixes the pool's shape, device and dtype on first use.
         The pool is a normal tensor even when first filled under inference mode (the model's forward):
         compaction writes into it outside inference mode, which inference tensors forbid."""
         old = self.num_blocks
-        new = max(4, 2 * old)
+        if old >= self.max_blocks:
+            raise BlockPoolExhausted(f"KV block pool exhausted: all {self.max_blocks} blocks of {self.block_size} "
+                                     f"tokens are in use (size the store for more tokens)")
+        new = min(self.max_blocks, max(64, 2 * old))
         shape = (new, like.shape[0], self.block_size, like.shape[2])
         keys = torch.zeros(shape, dtype=self.dtype or like.dtype, device=like.device)
         values = torch.zeros_like(keys)
@@ -70,10 +84,10 @@ class BlockPool:
 class PagedStorage:
     """LayerStorage over a BlockPool. `nbytes()` counts the blocks this sequence holds (its real share),
     not the pool's spare capacity, so it is comparable with ContiguousStorage and drops on compaction;
-    the pool's own footprint is `pool.num_blocks * pool.block_bytes()`."""
+    the pool's own footprint is `pool.nbytes()`."""
 
-    def __init__(self, dtype: torch.dtype | None = None, block_size: int = BLOCK_SIZE, pool: BlockPool | None = None):
-        self.pool = pool or BlockPool(block_size, dtype)
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
         self.table: list[int] = []
         self.length = 0
         self.compute_dtype: torch.dtype | None = None
@@ -153,8 +167,11 @@ class PagedStorage:
         return {"kind": "paged", "block_size": self.block_size, "keys": keys, "values": values}
 
     @classmethod
-    def from_state(cls, state: dict, dtype: torch.dtype | None = None) -> "PagedStorage":
-        storage = cls(dtype, state["block_size"])
+    def from_state(cls, state: dict, pool: BlockPool) -> "PagedStorage":
+        if state["block_size"] != pool.block_size:
+            raise ValueError(f"paged state of {state['block_size']}-token blocks cannot go into a pool of {pool.block_size}")
+        storage = cls(pool)
         if state["keys"] is not None:
             storage.replace(state["keys"], state["values"])
         return storage
+

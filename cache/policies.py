@@ -7,6 +7,7 @@ decode does not compact after every token."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,42 @@ import torch
 from cache.store import KVStore, TokenMeta
 
 PINNED, PROMISED = 2e30, 1e30
+MIN_BUDGET = 16
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A KV budget as the user writes it: `1024` (tokens), `25%` (of a reference cache size, e.g. the
+    longest full dialogue cache in an evaluation) or `none` (unbounded)."""
+
+    value: int | None
+    percent: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> "Budget":
+        if spec.strip().lower() in ("none", "full"):
+            return cls(None)
+        match = re.fullmatch(r"(\d+)(%?)", spec.strip())
+        if not match or int(match.group(1)) == 0:
+            raise ValueError(f"--budget must be a token count like 1024, a percentage like 25% or 'none', got {spec!r}")
+        budget = cls(int(match.group(1)), bool(match.group(2)))
+        if budget.percent and budget.value > 100:
+            raise ValueError(f"--budget percentage must be at most 100%, got {spec!r}")
+        return budget
+
+    def tokens(self, reference: int | None = None) -> int | None:
+        """The budget in tokens; a percentage needs the `reference` size it is a share of."""
+        if self.value is None:
+            return None
+        if self.percent and reference is None:
+            raise ValueError(f"--budget {self} is a share of a reference cache, which only an evaluation has; give tokens")
+        tokens = reference * self.value // 100 if self.percent else self.value
+        if tokens < MIN_BUDGET:
+            raise ValueError(f"--budget {self} is {tokens} tokens; a cache policy needs at least {MIN_BUDGET}")
+        return tokens
+
+    def __str__(self) -> str:
+        return "none" if self.value is None else f"{self.value}{'%' if self.percent else ''}"
 
 
 @dataclass
@@ -32,8 +69,8 @@ class Policy:
     needs_surprisal = False
 
     def __init__(self, config: PolicyConfig):
-        if config.budget is not None and config.budget < 16:
-            raise ValueError(f"budget {config.budget} is too small: a cache policy needs at least 16 tokens")
+        if config.budget is not None and config.budget < MIN_BUDGET:
+            raise ValueError(f"budget {config.budget} is too small: a cache policy needs at least {MIN_BUDGET} tokens")
         self.config = config
 
     @property

@@ -5,8 +5,8 @@ memory really held, and `state`/`from_state` save and restore it."""
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -98,21 +98,43 @@ QUANT_KV = ("int8", "int4", "fp8")
 KV_DTYPES = (*FLOAT_KV, *QUANT_KV, "dynamic")
 
 
-def make_storage(kv_dtype: str, paged: bool = False, block_size: int = 16, residual: int = 32) -> Callable[[], LayerStorage]:
-    """A per-layer storage factory for KVStore (`KVStore.for_model(model, storage=make_storage("int8"))`).
-    Float kinds store in that dtype (contiguous, or paged in `block_size`-token blocks); int8/int4/fp8
-    quantize all but the newest `residual` tokens; `dynamic` is full -> int8 -> int4 by age. Paging is for
-    float kinds only: quantized tiers already hold whole token groups and reallocate per group."""
-    from cache.paged import PagedStorage
-    from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
+@dataclass(frozen=True)
+class StorageConfig:
+    """How a store holds its layers' KV. Float kinds store in that dtype (contiguous, or paged in
+    `block_size`-token blocks from one pool per store); int8/int4/fp8 quantize all but the newest
+    `residual` tokens in groups of `group` tokens; `dynamic` is full -> int8 (`int8_tokens`) -> int4 by age.
+    Paging is for float kinds only: quantized tiers already hold whole token groups. `max_tokens` bounds a
+    paged pool when the policy has no budget."""
 
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"unknown kv dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
-    if kv_dtype in FLOAT_KV:
-        dtype = FLOAT_KV[kv_dtype]
-        return partial(PagedStorage, dtype, block_size) if paged else partial(ContiguousStorage, dtype)
-    if paged:
-        raise ValueError(f"paged storage holds float kv dtypes only ({', '.join(FLOAT_KV)}), not {kv_dtype!r}")
-    if kv_dtype == "dynamic":
-        return partial(DynamicStorage, DynamicConfig(residual=residual))
-    return partial(QuantizedStorage, QuantConfig(kind=kv_dtype, residual=residual))
+    kv_dtype: str = "float32"
+    paged: bool = False
+    block_size: int = 16
+    residual: int = 32
+    group: int = 32
+    int8_tokens: int = 512
+    max_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv dtype {self.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        if self.paged and self.kv_dtype not in FLOAT_KV:
+            raise ValueError(f"paged storage holds float kv dtypes only ({', '.join(FLOAT_KV)}), not {self.kv_dtype!r}")
+
+    def build(self, num_layers: int, capacity: int | None = None) -> list[LayerStorage]:
+        """One storage per layer. `capacity`: the most tokens a layer will hold (a paged store's pool is
+        sized from it, with headroom for scoring forks); None: `max_tokens`."""
+        from cache.paged import BlockPool, PagedStorage
+        from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
+
+        if self.kv_dtype in FLOAT_KV:
+            dtype = FLOAT_KV[self.kv_dtype]
+            if not self.paged:
+                return [ContiguousStorage(dtype) for _ in range(num_layers)]
+            tokens = self.max_tokens if capacity is None else capacity + max(256, capacity // 2)
+            pool = BlockPool(num_layers * (-(-tokens // self.block_size) + 1), self.block_size, dtype)
+            return [PagedStorage(pool) for _ in range(num_layers)]
+        if self.kv_dtype == "dynamic":
+            config = DynamicConfig(residual=self.residual, int8_tokens=self.int8_tokens, group=self.group)
+            return [DynamicStorage(config) for _ in range(num_layers)]
+        config = QuantConfig(kind=self.kv_dtype, residual=self.residual, group=self.group)
+        return [QuantizedStorage(config) for _ in range(num_layers)]

@@ -1,21 +1,31 @@
 """The managed KV store: per-layer keys/values (GQA: only the model's KV heads) plus per-token metadata,
-plugged into transformers' Cache API so `model(ids, past_key_values=store)` works.
+under one cache policy, plugged into transformers' Cache API so `model(ids, cache=store)` and
+`model.generate(ids, cache=store)` continue from it (`past_key_values=` is transformers' older name).
 
 Token lifecycle: the engine declares the tokens it is about to feed (`expect`), the model's attention
-layers append their keys/values through `update`, and a policy later chooses which tokens to `keep`.
+layers append their keys/values through `update`, and the policy later chooses which tokens to `keep`.
+Tokens fed by a plain transformers forward are declared on arrival with default metadata.
 Compaction re-rotates the kept keys so positions stay contiguous (0..len-1), which is why a plain causal
-mask is always right and the next token's position is simply `len(store)`."""
+mask is always right and the next token's position is simply `len(store)`.
+
+A fork (`with store.fork():`) feeds tokens only to read their logits (scoring choices, drafting a
+reply) and then rolls back exactly: length, metadata and the next-token logits are restored, nothing is
+recorded and nothing may be evicted meanwhile."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache.rope import Rerotator
-from cache.storage import ContiguousStorage, LayerStorage
+from cache.storage import LayerStorage, StorageConfig
+
+if TYPE_CHECKING:
+    from cache.policies import Policy
 
 ROLES = {"system": 0, "user": 1, "assistant": 2}
 
@@ -62,11 +72,9 @@ class TokenMeta:
 class ManagedLayer(CacheLayerMixin):
     """Adapter from transformers' per-layer cache protocol to one LayerStorage."""
 
-    is_croppable = True
-
-    def __init__(self, storage: LayerStorage):
+    def __init__(self, storage: LayerStorage, store: "KVStore", first: bool):
         super().__init__()
-        self.storage = storage
+        self.storage, self.store, self.first = storage, store, first
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.is_initialized = key_states.device, True
@@ -75,6 +83,8 @@ class ManagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.keys, self.values = self.storage.update_and_fetch(key_states, value_states)
+        if self.first:
+            self.store.declare_arrivals()
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -86,39 +96,58 @@ class ManagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self.storage.truncate(self.storage.length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove)
-
-    def reset(self) -> None:
-        self.storage.truncate(0)
-
 
 class KVStore(Cache):
-    """All layers' KV plus token metadata. `recording` turns on importance accumulation;
-    `measuring_surprisal` asks the engine for every position's logits to fill the surprisal column."""
+    """All layers' KV plus token metadata, under a policy that says what must be recorded (attention
+    importance, surprisal) and what to evict. `next_logits` are the logits that predict the next token
+    fed: the one place every caller reads them from."""
 
-    def __init__(self, num_layers: int, rerotator: Rerotator, storage: Callable[[], LayerStorage] = ContiguousStorage):
-        super().__init__(layers=[ManagedLayer(storage()) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, rerotator: Rerotator, policy: "Policy", storage: StorageConfig = StorageConfig()):
+        self.storage_config = storage
+        layers = storage.build(num_layers, policy.budget)
+        super().__init__(layers=[ManagedLayer(layer, self, i == 0) for i, layer in enumerate(layers)])
         self.rerotator = rerotator
+        self.policy = policy
         self.meta = TokenMeta.empty()
-        self.recording = False
-        self.measuring_surprisal = False
-        self.last_logits: torch.Tensor | None = None  # predicts the next token fed (for its surprisal)
-        self.frozen = False  # while scoring a fork: no importance, metadata untouched
+        self.next_logits: torch.Tensor | None = None
+        self.frozen = False  # inside a fork: nothing recorded, nothing evicted
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, storage: Callable[[], LayerStorage] = ContiguousStorage) -> "KVStore":
-        return cls(model.config.num_hidden_layers, Rerotator.from_model(model), storage)
+    def for_model(cls, model: torch.nn.Module, policy: "Policy", storage: StorageConfig = StorageConfig()) -> "KVStore":
+        return cls(model.config.num_hidden_layers, Rerotator.from_model(model), policy, storage)
 
     @property
     def length(self) -> int:
         """Tokens held (the same in every layer)."""
         return self.layers[0].storage.length
 
+    @property
+    def recording(self) -> bool:
+        """Whether attention should hand this store the mass each cached token receives."""
+        return self.policy.needs_importance and not self.frozen
+
+    @property
+    def measuring_surprisal(self) -> bool:
+        """Whether the engine must keep every fed position's logits for the surprisal column."""
+        return self.policy.needs_surprisal and not self.frozen
+
     # --- feeding -------------------------------------------------------------------------------
+    def make_room(self, incoming: int) -> None:
+        """Let the policy evict so that `incoming` more tokens fit the budget."""
+        self.policy.make_room(self, incoming)
+
     def expect(self, count: int, turn: int, role: str, segment: int, ids: list[int] | None = None) -> None:
         """Declare the metadata of the next `count` tokens, before the forward that appends them."""
         self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids))
+
+    def declare_arrivals(self) -> None:
+        """Tokens appended without `expect` (a plain transformers forward) get default metadata: the
+        newest turn and segment, role assistant, token id unknown."""
+        missing = self.length - len(self.meta)
+        if missing > 0:
+            turn = int(self.meta.turn[-1]) if len(self.meta) else -1
+            segment = int(self.meta.segment[-1]) if len(self.meta) else -1
+            self.expect(missing, turn, "assistant", segment)
 
     def add_importance(self, layer_idx: int, mass: torch.Tensor) -> None:
         """Called by the attention function with [kv_heads, kv_len] attention mass for one layer."""
@@ -127,22 +156,38 @@ class KVStore(Cache):
         mass = mass.sum(dim=0).to(self.meta.importance.device)
         self.meta.importance[: mass.numel()] += mass
 
-    def add_surprisal(self, ids: list[int], logits: torch.Tensor) -> None:
-        """logits: [len(ids), vocab] for the tokens just fed; token i's surprisal comes from the logits
-        before it (the previous forward's last logits for the first one)."""
+    def observe_logits(self, ids: list[int], logits: torch.Tensor) -> None:
+        """After a forward appended `ids`: logits are [kept, vocab] for the last `kept` of them (all of
+        them when measuring surprisal). Fills their surprisal, -log p(token | what preceded it), the first
+        one's from the previous `next_logits`; then keeps the last row as the new `next_logits`."""
+        if self.measuring_surprisal:
+            previous = logits[:-1] if self.next_logits is None else torch.cat((self.next_logits[None], logits[:-1]))
+            logprobs = torch.log_softmax(previous.float(), dim=-1)
+            targets = torch.tensor(ids[len(ids) - previous.shape[0]:], device=logprobs.device)[:, None]
+            values = -logprobs.gather(1, targets)[:, 0].cpu()
+            self.meta.surprisal[self.length - values.numel():] = values
+        self.next_logits = logits[-1].float()
+
+    @contextmanager
+    def fork(self) -> Iterator["KVStore"]:
+        """Feed tokens to read their logits, then roll back exactly (see the module docstring)."""
         if self.frozen:
-            return
-        previous = logits[:-1] if self.last_logits is None else torch.cat((self.last_logits[None], logits[:-1]))
-        logprobs = torch.log_softmax(previous.float(), dim=-1)
-        targets = torch.tensor(ids[len(ids) - previous.shape[0]:], device=logprobs.device)[:, None]
-        values = -logprobs.gather(1, targets)[:, 0].cpu()
-        self.meta.surprisal[self.length - values.numel():] = values
-        self.last_logits = logits[-1].float()
+            raise RuntimeError("a fork of this store is already open")
+        length, next_logits = self.length, self.next_logits
+        self.frozen = True
+        try:
+            yield self
+        finally:
+            self.truncate(length)
+            self.next_logits = next_logits
+            self.frozen = False
 
     # --- compaction -------------------------------------------------------------------------------
     def keep(self, index: torch.Tensor) -> None:
         """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
         positions become 0..len-1 again."""
+        if self.frozen:
+            raise RuntimeError("cannot evict inside a fork: make room before opening it")
         index = torch.unique(index.to(torch.long).cpu())  # sorted, deduplicated
         if index.numel() == self.length:
             return
@@ -161,7 +206,7 @@ class KVStore(Cache):
         self.meta = new_meta
 
     def truncate(self, length: int) -> None:
-        """Crop back to the first `length` tokens (used after scoring a fork)."""
+        """Crop back to the first `length` tokens."""
         for layer in self.layers:
             layer.storage.truncate(length)
         self.meta = self.meta.select(slice(0, length))

@@ -8,7 +8,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def tiny():
-    from agent.model import tiny_llama
+    from tests.helpers import tiny_llama
 
     return tiny_llama(seed=0, layers=2)
 

@@ -1,4 +1,5 @@
-"""`palace bench` on the tiny model: structure and internal consistency of the rows (no timing asserts)."""
+"""`palace bench` on the tiny model: its figures against ones computed here independently (bytes from the
+model's geometry, tokens from a plain greedy loop); no timing asserts."""
 
 from __future__ import annotations
 
@@ -9,8 +10,28 @@ import pytest
 
 from agent.bench.bench import (WEIGHT_LABELS, BenchConfig, best_of, build_histories, bench_text, dialogue_turns, install,
                          part_a, part_b, random_turns, render_part_a, render_part_b, sentences)
-from agent.model import tiny_llama
-from cache.storage import make_storage
+import torch
+
+from cache.policies import PolicyConfig, make_policy
+from cache.storage import StorageConfig
+from tests.helpers import tiny_llama
+
+# The tiny Llama: 2 layers x 2 KV heads x head_dim 16, keys and values, float32 = 512 bytes per cached token
+# (4 query heads: 1024 without GQA); contiguous storage holds capacity in steps of 64 tokens.
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+def held_bytes(tokens: int, per_token: int = BYTES_PER_TOKEN) -> int:
+    return -(-tokens // 64) * 64 * per_token
+
+
+def greedy(model, ids: list[int], count: int) -> list[int]:
+    """A plain greedy loop: one full forward per token, no cache."""
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(count):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
 
 CONFIG = BenchConfig(prompt_tokens=24, new_tokens=5, repeats=1, histories=(48, 128), decode_tokens=3, warmup_tokens=1,
                      nocache_work=96, chunk=40, turn_tokens=20, hybrid_budget=48)
@@ -29,6 +50,12 @@ def result_a(model):
 @pytest.fixture(scope="module")
 def result_b(model):
     return part_b(model, random_turns(model.config.vocab_size, max(CONFIG.histories), CONFIG.turn_tokens), CONFIG)
+
+
+def test_part_a_tokens_are_the_plain_greedy_continuation(result_a, model):
+    expected = greedy(model, list(range(3, 3 + CONFIG.prompt_tokens)), CONFIG.new_tokens)
+    rows = {row["run"]: row for row in result_a["rows"]}
+    assert rows["engine float32"]["tokens"] == rows["generate() float32"]["tokens"] == expected
 
 
 def test_part_a_rows_and_ratios(result_a):
@@ -78,15 +105,16 @@ def test_part_b_tables_are_consistent(result_b, model):
             assert row["ms_per_token"] > 0
             assert row["ms_vs_contiguous"] == pytest.approx(row["ms_per_token"] / base["ms_per_token"])
             assert row["kv_vs_contiguous"] == pytest.approx(row["kv_bytes"] / base["kv_bytes"])
-        assert rows["bfloat16 KV"]["kv_bytes"] < base["kv_bytes"]
+        assert base["kv_bytes"] == held_bytes(table["history"])
+        assert rows["bfloat16 KV"]["kv_bytes"] == held_bytes(table["history"], BYTES_PER_TOKEN // 2)
+        assert rows["paged float32"]["kv_bytes"] == -(-table["history"] // 16) * 16 * BYTES_PER_TOKEN
         assert rows["int8 KV"]["kv_bytes"] < base["kv_bytes"]
         gqa = table["gqa"]
-        ratio = model.config.num_attention_heads // model.config.num_key_value_heads
-        assert gqa["bytes_per_token_without_gqa"] == ratio * gqa["bytes_per_token_gqa"]
+        assert (gqa["bytes_per_token_gqa"], gqa["bytes_per_token_without_gqa"]) == (BYTES_PER_TOKEN, 2 * BYTES_PER_TOKEN)
     long = {row["strategy"]: row for row in result_b["tables"][-1]["rows"]}
     assert long["int4 KV"]["kv_bytes"] < long["int8 KV"]["kv_bytes"]  # past the residual window, int4 is smaller
     (hybrid,) = [row for name, row in long.items() if "@48" in name]
-    assert hybrid["kv_tokens"] <= CONFIG.hybrid_budget and hybrid["kv_bytes"] < long["contiguous float32"]["kv_bytes"]
+    assert hybrid["kv_tokens"] <= CONFIG.hybrid_budget and hybrid["kv_bytes"] == held_bytes(hybrid["kv_tokens"])
     assert not any("@48" in row["strategy"] for row in result_b["tables"][0]["rows"])  # history within budget
     text = "\n".join(render_part_b(result_b))
     assert "without GQA" in text and "no cache" in text
@@ -98,7 +126,7 @@ def test_install_reproduces_the_prefilled_history(model):
     snapshots = build_histories(model, turns, (32, 64), chunk=24)
     assert set(snapshots) == {32, 64}
     for kind in ("float32", "int8"):
-        store = install(model, snapshots[64], make_storage(kind))
+        store = install(model, snapshots[64], StorageConfig(kind), make_policy("full", PolicyConfig()))
         assert store.length == 64 and len(store.meta) == 64
         assert store.meta.turn.tolist() == [t for t, _, ids in turns for _ in ids]
 

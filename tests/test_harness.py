@@ -12,11 +12,14 @@ import pytest
 import torch
 
 import cli
-from agent.agent import Agent, AgentConfig, score_together
+from agent.agent import Agent, AgentConfig
 from agent.eval.dialogue import load_dialogues
-from agent.eval.harness import Budget, EvalConfig, evaluate, reply_is_correct
+from agent.eval.harness import EvalConfig, evaluate, reply_is_correct
 from agent.eval.workers import ModelSpec, WorkerPool
 from agent.model import load_model
+from agent.scoring import score_together
+from cache.policies import Budget
+from tests.helpers import ask, teacher_force
 
 FIXTURE = Path(__file__).parent / "fixtures" / "harness_dialogue.jsonl"
 WINDOW = 64  # tokens: far less than the ~350 between the fact and the probes
@@ -70,8 +73,8 @@ def test_residency_map_matches_the_token_layout(result, dialogues):
 def test_score_leaves_the_cache_byte_identical(loaded, dialogues):
     agent = Agent(loaded, AgentConfig(policy="h2o", budget_tokens=96, system=dialogues[0].system))
     for turn in dialogues[0].turns[:6]:
-        agent.reference_reply(agent.user_turn(turn.user), turn.assistant)
-    agent.user_turn(dialogues[0].turns[10].user)
+        teacher_force(agent, turn.user, turn.assistant)
+    ask(agent, dialogues[0].turns[10].user)
     before = agent.store.state()
     before_layers = [{k: v.clone() for k, v in layer.items() if torch.is_tensor(v)} for layer in before["layers"]]
     agent.score(dialogues[0].turns[10].probe.choices)
@@ -89,12 +92,12 @@ def test_scoring_packed_across_agents_equals_scoring_each_alone(loaded, dialogue
               for name in ("full", "h2o")]
     for agent in agents:
         for turn in dialogues[0].turns[:6]:
-            agent.reference_reply(agent.user_turn(turn.user), turn.assistant)
-        agent.user_turn(dialogues[0].turns[10].user)
+            teacher_force(agent, turn.user, turn.assistant)
+        ask(agent, dialogues[0].turns[10].user)
     choices = dialogues[0].turns[10].probe.choices
     alone = [agent.score(choices) for agent in agents]
     lengths = [agent.store.length for agent in agents]
-    together = score_together(agents, choices)
+    together = score_together(loaded.model, agents[0].format, [agent.store for agent in agents], choices)
     assert agents[0].store.length != agents[1].store.length
     assert [agent.store.length for agent in agents] == lengths
     for want, got in zip(alone, together):
@@ -113,8 +116,8 @@ def test_worker_pool_gives_the_in_process_results(loaded, dialogues, tmp_path):
     here = evaluate(loaded, pair, config)
     pooled = evaluate(loaded, pair, config, pool=WorkerPool(ModelSpec("embedded", "cpu", "float32"), workers=2))
     for mine, theirs in zip(here.runs, pooled.runs):
-        assert [(p.dialogue, p.turn, p.correct, p.retention) for p in mine.probes] == \
-               [(p.dialogue, p.turn, p.correct, p.retention) for p in theirs.probes]
+        assert [(p.dialogue, p.turn, p.correct, p.evidence_retention) for p in mine.probes] == \
+               [(p.dialogue, p.turn, p.correct, p.evidence_retention) for p in theirs.probes]
         assert [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in mine.turns] == [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in theirs.turns]
         assert mine.kv_bytes_peak == theirs.kv_bytes_peak and theirs.wall_s > 0
         assert np.array_equal(mine.residency, theirs.residency, equal_nan=True)
@@ -151,10 +154,19 @@ def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     assert {run["policy"] for run in data["runs"]} == {"full", "window"}
     assert set(data["runs"][0]) == {
         "policy", "budget_tokens", "kv_dtype", "mode", "probes", "accuracy", "by_kind", "by_tag",
-        "evidence_retention", "kv_bytes_peak", "kv_bytes_mean", "full_kv_bytes_peak", "ttft_ms_p50",
-        "ttft_ms_p95", "decode_ms_per_token", "wall_s"}
+        "far_probes", "far_accuracy", "far_by_kind", "evidence_retention", "kv_bytes_peak", "kv_bytes_mean",
+        "full_kv_bytes_peak", "ttft_ms_p50", "ttft_ms_p95", "decode_ms_per_token", "wall_s"}
     assert set(data["per_turn"][0]) == {"policy", "dialogue", "turn", "kv_tokens", "kv_bytes", "ttft_ms"}
     assert len(data["per_turn"]) == 2 * 12
+    records = {(r["policy"], r["turn"]): r for r in data["probes"]}
+    assert len(data["probes"]) == 2 * 2 and set(records[("full", 10)]) == {
+        "policy", "dialogue", "turn", "kind", "tags", "correct", "chosen", "answer", "margin", "evidence",
+        "evidence_distance", "evidence_retention", "recalled"}
+    full, window = records[("full", 10)], records[("window", 10)]
+    assert full["evidence"] == [0] and full["evidence_distance"] == 10 and full["recalled"] == []
+    assert full["correct"] and full["chosen"] == full["answer"] and full["margin"] > 0
+    assert full["evidence_retention"] == 1.0 and window["evidence_retention"] < 1.0
+    assert window["correct"] == (window["margin"] > 0)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -6,19 +6,18 @@ import torch
 from agent import Agent, AgentConfig, SamplingConfig
 from agent.engine import prefill
 from cache.policies import HybridConfig, PolicyConfig, make_policy
-from cache.store import KVStore
+from tests.helpers import store_for
 
 
-def run_hybrid(tiny, budget=120, turns=14, **hybrid):
+def run_hybrid(tiny, budget=120, turns=14, sizes=None, **hybrid):
     torch.manual_seed(4)
-    policy = make_policy("hybrid", PolicyConfig(budget=budget), HybridConfig(**hybrid))
-    store = KVStore.for_model(tiny)
-    store.recording, store.measuring_surprisal = True, True
-    prefill(tiny, store, policy, torch.randint(0, 512, (10,)).tolist(), -1, "system", -1)
+    store = store_for(tiny, "hybrid", budget, hybrid=HybridConfig(**hybrid))
+    policy = store.policy
+    prefill(tiny, store, torch.randint(0, 512, (10,)).tolist(), -1, "system", -1)
     history = []
     for turn in range(turns):
-        size = int(torch.randint(8, 20, ()))
-        prefill(tiny, store, policy, torch.randint(0, 512, (size,)).tolist(), turn, "user", segment=turn // 3)
+        size = sizes[turn] if sizes else int(torch.randint(8, 20, ()))
+        prefill(tiny, store, torch.randint(0, 512, (size,)).tolist(), turn, "user", segment=turn // 3)
         assert store.length <= budget
         assert all(layer.storage.length == len(store.meta) for layer in store.layers)
         history.append(store.meta.turn.clone())
@@ -86,10 +85,23 @@ def test_segment_granularity_keeps_whole_segments():
     assert int(keep.sum()) == 100 and len(partial) <= 1
 
 
-def test_unused_shares_are_lent(tiny):
-    # early on there is little temporary material, so the hot tier may exceed its 30% share
-    policy, store, _ = run_hybrid(tiny, budget=100, turns=5, hot_turns=5)
-    assert int(policy.tiers(store.meta)["hot"].sum()) > 0.3 * 100
+def test_unused_shares_are_lent_exactly():
+    """Budget 100: permanent 10 tokens (its 10 % share), temporary share 60 % but only 8 temporary tokens
+    (turn 0), so the hot tier may use 100 - 10 - 8 = 82 tokens instead of its 30. Hot turns of 21
+    tokens are kept whole, newest first: three fit (63), the oldest hot turn is demoted and competes with
+    the temporary tokens for the remaining 27 places, where turn 0's surprising tokens win."""
+    from cache.store import TokenMeta
+
+    meta = TokenMeta.new(10, 0, -1, "system", -1)
+    for turn, size in enumerate([8, 21, 21, 21, 21]):
+        meta = meta.cat(TokenMeta.new(size, len(meta), turn, "user", turn))
+    meta.surprisal = (meta.turn == 0).float()
+    policy = make_policy("hybrid", PolicyConfig(budget=100), HybridConfig(hot_turns=4, context=0, score="surprisal"))
+    keep = torch.zeros(len(meta), dtype=torch.bool)
+    keep[policy.select(meta, 100)] = True
+    kept = {turn: int(keep[meta.turn == turn].sum()) for turn in range(-1, 5)}
+    assert kept == {-1: 10, 0: 8, 1: 19, 2: 21, 3: 21, 4: 21}
+    assert int(keep.sum()) == 100
 
 
 def test_bad_hybrid_configuration_is_rejected():
@@ -102,7 +114,7 @@ def test_bad_hybrid_configuration_is_rejected():
 def test_pins_survive_eviction_and_count_against_the_budget(embedded):
     agent = Agent(embedded, AgentConfig(policy="window", budget_tokens=64,
                                         sampling=SamplingConfig(max_new_tokens=4)))
-    agent.user_turn("My order number is QX-7731, please keep it.")
+    agent.chat("My order number is QX-7731, please keep it.")
     pinned = agent.pin("QX-7731")
     assert pinned > 0 and agent.stats()["pinned_tokens"] == pinned
     for message in ["Tell me about shipping.", "And returns?", "What about warranty terms?", "Thanks a lot!"]:

@@ -7,11 +7,15 @@ import pytest
 import torch
 
 from agent.engine import forward_forks
-from agent.model import tiny_llama
-from cache.paged import PagedStorage
+from cache.paged import BlockPool, BlockPoolExhausted, PagedStorage
 from cache.quant import DynamicConfig, DynamicStorage, QuantConfig, QuantizedStorage
-from cache.storage import ContiguousStorage, make_storage
+from cache.storage import ContiguousStorage, StorageConfig
 from cache.store import KVStore
+from tests.helpers import store_for, tiny_llama
+
+
+def one_layer(config: StorageConfig):
+    return config.build(1)[0]
 
 HEADS, DIM = 3, 64  # SmolLM2-135M's KV shape, so byte ratios match the real model
 
@@ -46,8 +50,8 @@ def tiny():
 
 # --- paged ----------------------------------------------------------------------------------------
 def test_paged_matches_contiguous_through_decode_and_compaction(tiny):
-    contiguous = KVStore.for_model(tiny, storage=ContiguousStorage)
-    paged = KVStore.for_model(tiny, storage=make_storage("float32", paged=True, block_size=16))
+    contiguous = store_for(tiny)
+    paged = store_for(tiny, storage=StorageConfig("float32", paged=True, block_size=16))
     ids = torch.randint(0, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     cursor = 0
     for count in (5, 1, 1, 20, 3, 17, 1):
@@ -64,22 +68,36 @@ def test_paged_matches_contiguous_through_decode_and_compaction(tiny):
 
 
 def test_paged_frees_blocks_on_compaction_and_truncate(tiny):
-    store = KVStore.for_model(tiny, storage=make_storage("float32", paged=True, block_size=16))
+    store = store_for(tiny, storage=StorageConfig("float32", paged=True, block_size=16))
     feed(tiny, store, list(range(70)))
+    assert all(layer.storage.pool is store.layers[0].storage.pool for layer in store.layers)  # one pool per store
     storage = store.layers[0].storage
     block_bytes = 2 * 2 * 16 * 16 * 4  # keys+values, 2 KV heads, 16 tokens, head_dim 16, float32
     assert len(storage.table) == 5 and storage.nbytes() == 5 * block_bytes == storage.pool.block_bytes() * 5
     store.keep(torch.arange(0, 70, 2))  # 35 tokens -> 3 blocks
     assert len(storage.table) == 3 and storage.nbytes() == 3 * block_bytes
-    assert sorted(storage.pool.free_blocks) == sorted(set(range(storage.pool.num_blocks)) - set(storage.table))
+    used = {block for layer in store.layers for block in layer.storage.table}
+    assert len(used) == 6 and sorted(storage.pool.free_blocks) == sorted(set(range(storage.pool.num_blocks)) - used)
     store.truncate(16)
     assert storage.table and len(storage.table) == 1 and storage.nbytes() == block_bytes
-    assert storage.pool.refs.count(0) == storage.pool.num_blocks - 1
+    assert storage.pool.refs.count(0) == storage.pool.num_blocks - 2  # one block per layer still held
+
+
+def test_block_pool_fails_loudly_when_full():
+    pool = BlockPool(max_blocks=3, block_size=16)
+    storage = PagedStorage(pool)
+    fill(storage, *kv(48), step=16)
+    assert pool.num_blocks == 3 and not pool.free_blocks
+    with pytest.raises(BlockPoolExhausted, match="all 3 blocks"):
+        storage.update_and_fetch(*kv(1))
+    storage.truncate(20)  # frees the third block: appending works again
+    storage.update_and_fetch(*kv(1))
+    assert storage.length == 21
 
 
 def test_paged_fork_shares_blocks_and_copies_on_write():
     keys, values = kv(40)
-    parent = fill(PagedStorage(block_size=16), keys, values)
+    parent = fill(PagedStorage(BlockPool(64, block_size=16)), keys, values)
     child = parent.fork()
     assert child.table == parent.table and all(parent.pool.refs[b] == 2 for b in parent.table)
     child.update_and_fetch(*kv(1, seed=5))  # lands in the shared, partly filled third block
@@ -88,7 +106,7 @@ def test_paged_fork_shares_blocks_and_copies_on_write():
     torch.testing.assert_close(child.fetch()[0][:, :, :40], keys, atol=0, rtol=0)
     child.truncate(0)
     assert all(parent.pool.refs[b] == 1 for b in parent.table)
-    restored = PagedStorage.from_state(parent.state())
+    restored = PagedStorage.from_state(parent.state(), BlockPool(8, block_size=16))
     torch.testing.assert_close(restored.fetch()[1], values, atol=0, rtol=0)
 
 
@@ -96,7 +114,7 @@ def test_paged_fork_shares_blocks_and_copies_on_write():
 @pytest.mark.parametrize("kind, bound", [("int8", 0.01), ("int4", 0.12), ("fp8", 0.04)])
 def test_dequantization_error_is_bounded_and_residual_exact(kind, bound):
     keys, values = kv(500)
-    storage = fill(make_storage(kind, residual=32)(), keys, values, step=25)
+    storage = fill(one_layer(StorageConfig(kind, residual=32)), keys, values, step=25)
     fetched_keys, fetched_values = storage.fetch()
     assert fetched_keys.dtype == torch.float32 and storage.length == 500
     assert relative_error(fetched_keys, keys) < bound and relative_error(fetched_values, values) < bound
@@ -109,7 +127,7 @@ def test_dequantization_error_is_bounded_and_residual_exact(kind, bound):
 def test_bytes_vs_float32(kind, low, high):
     """int8/fp8 ~ 1/4 and int4 ~ 1/8 of float32, plus float16 scales and the full-precision window."""
     keys, values = kv(2048)
-    storage = fill(make_storage(kind)(), keys, values, step=256)
+    storage = fill(one_layer(StorageConfig(kind)), keys, values, step=256)
     float32 = fill(ContiguousStorage(), keys, values, step=256)
     assert low < storage.nbytes() / float32.nbytes() < high
 
@@ -125,13 +143,13 @@ def test_dynamic_tiers_age_into_lower_precision():
     old = relative_error(fetched[:, :, : int4.length], keys[:, :, : int4.length])
     middle = relative_error(fetched[:, :, int4.length : tail_start], keys[:, :, int4.length : tail_start])
     assert old > 5 * middle and torch.equal(fetched[:, :, tail_start:], keys[:, :, tail_start:])
-    assert storage.nbytes() < fill(make_storage("int8", residual=16)(), keys, values).nbytes()
+    assert storage.nbytes() < fill(one_layer(StorageConfig("int8", residual=16)), keys, values).nbytes()
 
 
-@pytest.mark.parametrize("factory", [make_storage("int8"), make_storage("int4"), make_storage("fp8"),
-                                     lambda: DynamicStorage(DynamicConfig(residual=8, int8_tokens=32, group=8))])
-def test_quantized_store_stays_aligned_through_keep_and_truncate(tiny, factory):
-    store = KVStore.for_model(tiny, storage=factory)
+@pytest.mark.parametrize("storage", [StorageConfig("int8"), StorageConfig("int4"), StorageConfig("fp8"),
+                                     StorageConfig("dynamic", residual=8, int8_tokens=32, group=8)])
+def test_quantized_store_stays_aligned_through_keep_and_truncate(tiny, storage):
+    store = store_for(tiny, storage=storage)
     feed(tiny, store, list(range(150)))
     store.keep(torch.cat((torch.arange(0, 40), torch.arange(90, 150))))
     assert store.length == len(store.meta) == 100
@@ -154,15 +172,15 @@ def test_quantized_state_round_trip():
         assert torch.equal(restored.fetch()[0], storage.fetch()[0])
 
 
-def test_make_storage_kinds_and_errors():
+def test_storage_kinds_and_errors():
     for kind in ("float32", "bfloat16", "float16", "int8", "int4", "fp8", "dynamic"):
-        storage = make_storage(kind)()
+        storage = one_layer(StorageConfig(kind))
         storage.update_and_fetch(*kv(3))
         assert storage.length == 3
     with pytest.raises(ValueError, match="float32, bfloat16, float16, int8, int4, fp8, dynamic"):
-        make_storage("int3")
+        StorageConfig("int3")
     with pytest.raises(ValueError, match="paged"):
-        make_storage("int8", paged=True)
+        StorageConfig("int8", paged=True)
 
 
 # --- embedded model -------------------------------------------------------------------------------
@@ -202,16 +220,16 @@ def test_embedded_top1_agreement_with_float32_kv(one_thread, embedded):
     ids = loaded.tokenizer(TEXT)["input_ids"][:300]
     assert len(ids) >= 280
 
-    def next_tokens(storage) -> torch.Tensor:
+    def next_tokens(storage: StorageConfig) -> torch.Tensor:
         """Argmax at every position, prefilled in chunks of 32 (the residual), so every chunk after the
         first reads mostly quantized keys and values."""
-        store = KVStore.for_model(loaded.model, storage=storage)
+        store = store_for(loaded.model, storage=storage)
         return torch.cat([feed(loaded.model, store, ids[s : s + 32]) for s in range(0, len(ids), 32)]).argmax(-1)
 
-    reference = next_tokens(make_storage("float32"))
-    storages = {kind: make_storage(kind) for kind in ("int8", "int4", "fp8")}
+    reference = next_tokens(StorageConfig("float32"))
+    storages = {kind: StorageConfig(kind) for kind in ("int8", "int4", "fp8")}
     # int8_tokens=128 so all three tiers are in play on a 300-token text (the default 512 would be all int8)
-    storages["dynamic"] = lambda: DynamicStorage(DynamicConfig(int8_tokens=128))
+    storages["dynamic"] = StorageConfig("dynamic", int8_tokens=128)
     agreement = {kind: float((next_tokens(storage) == reference).float().mean()) for kind, storage in storages.items()}
     print("top-1 agreement with float32 KV:", agreement)
     for kind, floor in AGREEMENT_FLOORS.items():

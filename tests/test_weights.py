@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from agent.bench.bench import bench_text, tokenize, top1_agreement
-from agent.model import ModelError, load_model, prepare, tiny_llama
+from agent.model import ModelError, load_model, prepare
+from tests.helpers import tiny_llama
 from agent.qlinear import Int4Linear, Int8Linear, module_bytes
 
 # Measured on agent/bench_text.txt (455 tokens): int4 99.8%, int8 97.1% (torch.ao dynamic int8 was ~48%).

@@ -33,7 +33,9 @@ from typing import Callable
 import torch
 
 from agent.engine import SamplingConfig, decode, forward, prefill
-from cache.policies import PolicyConfig, make_policy
+from agent.model import kv_bytes_per_token
+from cache.policies import HybridConfig, Policy, PolicyConfig, make_policy
+from cache.storage import StorageConfig
 from cache.store import KVStore, TokenMeta
 
 TEXT_PATH = Path(__file__).with_name("bench_text.txt")
@@ -195,12 +197,11 @@ def timing_row(name: str, prompt: int, started: tuple[float, float], times: list
 
 def time_engine(model: torch.nn.Module, ids: list[int], new_tokens: int, name: str = "engine") -> dict:
     """Our engine, `full` policy, greedy, no stop tokens (exactly `new_tokens` tokens)."""
-    store = KVStore.for_model(model)
-    policy = make_policy("full", PolicyConfig())
+    store = KVStore.for_model(model, make_policy("full", PolicyConfig()))
     times, tokens = [], []
     started = now()
-    logits = prefill(model, store, policy, ids, 0, "user", 0)
-    for token in decode(model, store, policy, logits, [], SamplingConfig(max_new_tokens=new_tokens), 0, 0):
+    prefill(model, store, ids, 0, "user", 0)
+    for token in decode(model, store, [], SamplingConfig(max_new_tokens=new_tokens), 0, 0):
         times.append(now())
         tokens.append(token)
     return timing_row(name, len(ids), started, times, tokens)
@@ -294,8 +295,7 @@ class Snapshot:
     length: int
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     meta: dict
-    logits: torch.Tensor
-    last_logits: torch.Tensor | None
+    next_logits: torch.Tensor
     ids: list[int] = field(repr=False, default_factory=list)
 
 
@@ -308,8 +308,9 @@ def build_histories(model: torch.nn.Module, turns: list[tuple[int, str, list[int
     total = max(lengths)
     if len(tokens) < total:
         raise ValueError(f"history has {len(tokens)} tokens, fewer than {total}")
-    store = KVStore.for_model(model)
-    store.measuring_surprisal = surprisal
+    recorder = make_policy("hybrid", PolicyConfig(), HybridConfig(score="surprisal")) if surprisal else \
+        make_policy("full", PolicyConfig())  # the columns a policy needs, nothing evicted here
+    store = KVStore.for_model(model, recorder)
     cuts = sorted(set(range(chunk, total, chunk)) | set(lengths))
     snapshots, start = {}, 0
     started = time.perf_counter()
@@ -321,37 +322,34 @@ def build_histories(model: torch.nn.Module, turns: list[tuple[int, str, list[int
                 turn, role, _ = piece[run_start]
                 store.expect(i - run_start, turn, role, max(turn, -1), [t for _, _, t in piece[run_start:i]])
                 run_start = i
-        logits = forward(model, store, [t for _, _, t in piece])
+        forward(model, store, [t for _, _, t in piece])
         start = stop
         if stop in lengths:
             kv = [tuple(t.clone() for t in layer.storage.fetch()) for layer in store.layers]
-            last = store.last_logits.clone() if getattr(store, "last_logits", None) is not None else None
-            snapshots[stop] = Snapshot(stop, kv, store.meta.state(), logits.clone(), last,
+            snapshots[stop] = Snapshot(stop, kv, store.meta.state(), store.next_logits.clone(),
                                        [t for _, _, t in tokens[:stop]])
             log(f"  part B: history of {stop} tokens prefilled ({time.perf_counter() - started:.0f} s so far)")
     return snapshots
 
 
-def install(model: torch.nn.Module, snapshot: Snapshot, storage) -> KVStore:
-    """A fresh store of the given storage kind holding the snapshot's history."""
-    store = KVStore.for_model(model, storage)
+def install(model: torch.nn.Module, snapshot: Snapshot, storage: StorageConfig, policy: Policy) -> KVStore:
+    """A fresh store of the given storage kind, under `policy`, holding the snapshot's history."""
+    store = KVStore.for_model(model, policy, storage)
     for layer, (keys, values) in zip(store.layers, snapshot.kv):
         layer.storage.replace(keys, values)
         layer.lazy_initialization(keys, values)
     store.meta = TokenMeta(**{name: value.clone() for name, value in snapshot.meta.items()})
-    if snapshot.last_logits is not None:
-        store.last_logits = snapshot.last_logits.clone()
+    store.next_logits = snapshot.next_logits.clone()
     return store
 
 
-def time_decode(model: torch.nn.Module, store: KVStore, policy, logits: torch.Tensor, tokens: int,
-                warmup: int) -> tuple[float, float]:
+def time_decode(model: torch.nn.Module, store: KVStore, tokens: int, warmup: int) -> tuple[float, float]:
     """(wall, CPU) seconds per decoded token (sample + make_room + one forward), after `warmup` untimed
     tokens. Decoded tokens belong to a new assistant turn after the history."""
     times = []
     config = SamplingConfig(max_new_tokens=warmup + tokens + 1)
     turn = int(store.meta.turn.max()) + 1 if len(store.meta) else 0
-    for _ in decode(model, store, policy, logits, [], config, turn, turn):
+    for _ in decode(model, store, [], config, turn, turn):
         times.append(now())
     (wall0, cpu0), (wall1, cpu1) = times[warmup], times[-1]
     count = len(times) - 1 - warmup
@@ -371,28 +369,19 @@ def time_nocache(model: torch.nn.Module, ids: list[int], tokens: int) -> tuple[f
     return (end[0] - wall) / tokens, (end[1] - cpu) / tokens
 
 
-def hybrid_policy(budget: int):
-    """The hybrid policy if cache.policies has it, else `sink` at the same budget as a labelled stand-in."""
-    try:
-        return make_policy("hybrid", PolicyConfig(budget=budget)), f"hybrid @{budget}"
-    except ValueError:
-        return make_policy("sink", PolicyConfig(budget=budget)), f"sink @{budget} (stand-in: no hybrid policy yet)"
-
-
-def storage_for(kind: str):
-    from cache.storage import make_storage
-
+def storage_for(kind: str) -> tuple[StorageConfig, str]:
     if kind == "contiguous":
-        return make_storage("float32"), "contiguous float32"
+        return StorageConfig("float32"), "contiguous float32"
     if kind == "paged":
-        return make_storage("float32", paged=True), "paged float32"
-    return make_storage(kind), f"{kind} KV"
+        return StorageConfig("float32", paged=True), "paged float32"
+    return StorageConfig(kind), f"{kind} KV"
 
 
 def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], config: BenchConfig,
            log: Callable[[str], None] = lambda _: None) -> dict:
     """Per history length: rows of ms/token and KV bytes, ratios vs contiguous float32."""
-    policy, hybrid_label = hybrid_policy(config.hybrid_budget)
+    policy = make_policy("hybrid", PolicyConfig(budget=config.hybrid_budget))
+    hybrid_label = f"hybrid @{config.hybrid_budget}"
     needs_hybrid = any(length > config.hybrid_budget for length in config.histories)
     surprisal = needs_hybrid and policy.needs_surprisal
     snapshots = build_histories(model, turns, config.histories, config.chunk, surprisal, log)
@@ -408,25 +397,22 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
         for kind in config.kv_rows:
             storage, label = storage_for(kind)
             log(f"  part B @{length}: {label}")
-            store = install(model, snap, storage)
+            store = install(model, snap, storage, make_policy("full", PolicyConfig()))
             kv_bytes, kv_tokens = store.memory_bytes(), store.length
-            wall, cpu = time_decode(model, store, make_policy("full", PolicyConfig()), snap.logits,
-                                    config.decode_tokens, config.warmup_tokens)
+            wall, cpu = time_decode(model, store, config.decode_tokens, config.warmup_tokens)
             rows.append({"strategy": label, "kv_tokens": kv_tokens, "kv_bytes": kv_bytes,
                          "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall,
                          "cpu_ms_per_token": 1000 * cpu})
             del store
         if length > config.hybrid_budget:
             log(f"  part B @{length}: {hybrid_label}")
-            policy, _ = hybrid_policy(config.hybrid_budget)
-            store = install(model, snap, storage_for("contiguous")[0])
-            store.recording = policy.needs_importance
-            store.measuring_surprisal = policy.needs_surprisal
+            policy = make_policy("hybrid", PolicyConfig(budget=config.hybrid_budget))
+            store = install(model, snap, storage_for("contiguous")[0], policy)
             started = time.perf_counter()
-            policy.make_room(store, 1)  # the history's compaction to the budget, timed apart from decode
+            store.make_room(1)  # the history's compaction to the budget, timed apart from decode
             compact_ms = 1000 * (time.perf_counter() - started)
             kv_bytes, kv_tokens = store.memory_bytes(), store.length
-            wall, cpu = time_decode(model, store, policy, snap.logits, config.decode_tokens, config.warmup_tokens)
+            wall, cpu = time_decode(model, store, config.decode_tokens, config.warmup_tokens)
             rows.append({"strategy": f"{hybrid_label} (float32)", "kv_tokens": kv_tokens, "kv_bytes": kv_bytes,
                          "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall,
                          "cpu_ms_per_token": 1000 * cpu,
@@ -439,11 +425,10 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
             row["ms_vs_contiguous"] = ratio(row["ms_per_token"], base and base["ms_per_token"])
             row["cpu_ms_vs_contiguous"] = ratio(row["cpu_ms_per_token"], base and base["cpu_ms_per_token"])
             row["kv_vs_contiguous"] = ratio(row["kv_bytes"], base and base["kv_bytes"])
-        per_token = 2 * info["layers"] * info["kv_heads"] * info["head_dim"] * 4
-        no_gqa = {"history": length, "bytes_per_token_gqa": per_token,
-                  "bytes_per_token_without_gqa": per_token * info["query_heads"] // info["kv_heads"],
-                  "kv_mb_gqa": per_token * length / 2**20,
-                  "kv_mb_without_gqa": per_token * info["query_heads"] // info["kv_heads"] * length / 2**20}
+        per_token = kv_bytes_per_token(model.config, torch.float32)
+        without = kv_bytes_per_token(model.config, torch.float32, gqa=False)
+        no_gqa = {"history": length, "bytes_per_token_gqa": per_token, "bytes_per_token_without_gqa": without,
+                  "kv_mb_gqa": per_token * length / 2**20, "kv_mb_without_gqa": without * length / 2**20}
         tables.append({"history": length, "rows": rows, "gqa": no_gqa})
     return {"tables": tables, "model": info}
 

@@ -31,7 +31,7 @@ class Probe:
 
 
 @dataclass
-class Turn:
+class ScriptedTurn:
     user: str
     assistant: str | None = None
     topic: str | None = None
@@ -42,7 +42,7 @@ class Turn:
 class Dialogue:
     id: str
     system: str | None
-    turns: list[Turn]
+    turns: list[ScriptedTurn]
 
 
 def load_dialogues(paths: list[str | Path]) -> list[Dialogue]:
@@ -117,14 +117,14 @@ def _dialogue(raw: Any, where: str, file: Path) -> Dialogue:
     return Dialogue(raw["id"], system, [_turn(t, i, f"{where}, turn {i}") for i, t in enumerate(turns)])
 
 
-def _turn(raw: Any, index: int, where: str) -> Turn:
+def _turn(raw: Any, index: int, where: str) -> ScriptedTurn:
     _check(isinstance(raw, dict), where, "a turn must be a JSON object")
     user = raw.get("user")
     _check(isinstance(user, str) and user.strip() != "", where, "'user' must be a non-empty string")
     for key in ("assistant", "topic"):
         _check(raw.get(key) is None or isinstance(raw[key], str), where, f"'{key}' must be a string")
     probe = raw.get("probe")
-    return Turn(user, raw.get("assistant"), raw.get("topic"), None if probe is None else _probe(probe, index, where))
+    return ScriptedTurn(user, raw.get("assistant"), raw.get("topic"), None if probe is None else _probe(probe, index, where))
 
 
 def _probe(raw: Any, index: int, where: str) -> Probe:

@@ -14,56 +14,26 @@ encodes there. A policy's wall time is its own work plus its token share of the 
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
-from agent.agent import Agent, AgentConfig, score_together
 from agent.chat_format import ChatFormat
 from agent.engine import Feed, prefill_packed
-from agent.eval.dialogue import Dialogue, Probe, Turn
+from agent.eval.dialogue import Dialogue, Probe, ScriptedTurn
+from agent.eval.results import EvalResult, PolicyRun, ProbeRecord, TurnSample, merge_runs
+from agent.eval.runners import BASELINE, Runner, make_runner
 from agent.model import LoadedModel
-from agent.eval.reprefill import Reprefill
-from cache.policies import POLICIES
+from agent.scoring import score_together
+from cache.policies import POLICIES, Budget
 from cache.storage import KV_DTYPES
 
-BASELINE = "reprefill"
 EVAL_POLICIES = (*POLICIES, BASELINE)
 MODES = ("choice", "generate")
-
-
-@dataclass(frozen=True)
-class Budget:
-    """`1024` (tokens) or `25%` (of the longest dialogue's full cache, computed by tokenizing, no forward)."""
-
-    value: int
-    percent: bool
-
-    @classmethod
-    def parse(cls, spec: str) -> "Budget":
-        match = re.fullmatch(r"(\d+)(%?)", spec)
-        if not match or int(match.group(1)) == 0:
-            raise ValueError(f"--budget must be a positive token count like 1024 or a percentage like 25%, got {spec!r}")
-        budget = cls(int(match.group(1)), bool(match.group(2)))
-        if budget.percent and budget.value > 100:
-            raise ValueError(f"--budget percentage must be at most 100%, got {spec!r}")
-        return budget
-
-    def tokens(self, dialogues: list[Dialogue], fmt: ChatFormat) -> int:
-        tokens = self.value
-        if self.percent:
-            tokens = max(full_cache_tokens(d, fmt) for d in dialogues) * self.value // 100
-        if tokens < 16:
-            raise ValueError(f"--budget {self} is {tokens} tokens; a cache policy needs at least 16")
-        return tokens
-
-    def __str__(self) -> str:
-        return f"{self.value}{'%' if self.percent else ''}"
 
 
 @dataclass
@@ -107,153 +77,6 @@ def full_cache_tokens(dialogue: Dialogue, fmt: ChatFormat) -> int:
     return sum(turn_tokens(dialogue, fmt).values())
 
 
-def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    config = loaded.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * loaded.dtype.itemsize
-
-
-# --- runners: one surface over the managed-cache agent and the no-cache baseline --------------------------
-class Runner(Protocol):
-    def start(self, system: str | None) -> None: ...
-    def user_turn(self, text: str) -> float: ...
-    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]: ...
-    def reply(self, text: str | None) -> list[Feed]: ...
-    def score(self, choices: list[str]) -> list[float]: ...
-    def draft(self, max_new_tokens: int) -> tuple[list[int], float]: ...
-    def resident(self) -> Counter[int]: ...
-    def kv_tokens(self) -> int: ...
-    def kv_bytes(self) -> int: ...
-
-
-class CacheRunner:
-    """The Agent under one cache policy: solo prefill at probe turns, feeds for the packed forwards
-    elsewhere, score/draft from the managed store."""
-
-    def __init__(self, loaded: LoadedModel, config: AgentConfig):
-        self.loaded, self.config = loaded, config
-
-    def start(self, system: str | None) -> None:
-        self.agent = Agent(self.loaded, replace(self.config, system=system))
-        self.turn = None
-
-    def user_turn(self, text: str) -> float:
-        self.turn = self.agent.user_turn(text)
-        return self.agent.timing.ttft_ms
-
-    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
-        return [self.agent.scripted_turn(text, reply)]
-
-    def reply(self, text: str | None) -> list[Feed]:
-        return [self.agent.reply_feed(self.turn, text)]
-
-    def score(self, choices: list[str]) -> list[float]:
-        return self.agent.score(choices)
-
-    def draft(self, max_new_tokens: int) -> tuple[list[int], float]:
-        return self.agent.draft(self.turn, max_new_tokens)
-
-    def resident(self) -> Counter[int]:
-        turns, counts = torch.unique(self.agent.store.meta.turn, return_counts=True)
-        return Counter(dict(zip(turns.tolist(), counts.tolist())))
-
-    def kv_tokens(self) -> int:
-        return self.agent.store.length
-
-    def kv_bytes(self) -> int:
-        return self.agent.store.memory_bytes()
-
-
-def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel) -> Runner:
-    if policy == BASELINE:
-        return Reprefill(loaded, kv_bytes_per_token(loaded))
-    return CacheRunner(loaded, AgentConfig(policy=policy, budget_tokens=budget, kv_dtype=kv_dtype))
-
-
-# --- results ------------------------------------------------------------------------------------------
-@dataclass
-class ProbeOutcome:
-    dialogue: str
-    turn: int
-    kind: str
-    tags: list[str]
-    correct: bool
-    retention: float | None  # None: the probe names no evidence
-
-
-@dataclass
-class TurnSample:
-    policy: str
-    dialogue: str
-    turn: int
-    kv_tokens: int
-    kv_bytes: int
-    ttft_ms: float | None  # timed at probe turns only; None elsewhere (fed packed, or nothing encoded)
-
-
-@dataclass
-class PolicyRun:
-    policy: str
-    budget_tokens: int | None
-    kv_dtype: str
-    mode: str
-    probes: list[ProbeOutcome] = field(default_factory=list)
-    turns: list[TurnSample] = field(default_factory=list)
-    kv_bytes_peak: int = 0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    wall_s: float = 0.0
-    residency: np.ndarray | None = None  # [turn x, turn y]: share of turn y's tokens cached after turn x
-
-    def summary(self, full_kv_bytes_peak: int) -> dict:
-        ttfts = [t.ttft_ms for t in self.turns if t.ttft_ms is not None]
-        retained = [p.retention for p in self.probes if p.retention is not None]
-        by_tag: dict[str, list[bool]] = {}
-        for probe in self.probes:
-            for tag in probe.tags or ["untagged"]:
-                by_tag.setdefault(tag, []).append(probe.correct)
-        by_kind: dict[str, list[bool]] = {}
-        for probe in self.probes:
-            by_kind.setdefault(probe.kind, []).append(probe.correct)
-        return {
-            "policy": self.policy,
-            "budget_tokens": self.budget_tokens,
-            "kv_dtype": self.kv_dtype,
-            "mode": self.mode,
-            "probes": len(self.probes),
-            "accuracy": _mean([p.correct for p in self.probes]),
-            "by_kind": {kind: _mean(v) for kind, v in sorted(by_kind.items())},
-            "by_tag": {tag: _mean(v) for tag, v in sorted(by_tag.items())},
-            "evidence_retention": _mean(retained),
-            "kv_bytes_peak": self.kv_bytes_peak,
-            "kv_bytes_mean": _mean([t.kv_bytes for t in self.turns]),
-            "full_kv_bytes_peak": full_kv_bytes_peak,
-            "ttft_ms_p50": float(np.percentile(ttfts, 50)) if ttfts else None,
-            "ttft_ms_p95": float(np.percentile(ttfts, 95)) if ttfts else None,
-            "decode_ms_per_token": 1000 * self.decode_s / self.decode_tokens if self.decode_tokens else None,
-            "wall_s": round(self.wall_s, 2),
-        }
-
-
-def _mean(values: list) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-@dataclass
-class EvalResult:
-    config: EvalConfig
-    budget_tokens: int
-    runs: list[PolicyRun]
-    map_dialogue: str
-    full_kv_bytes_peak: int  # the `full` run's peak, else token count x bytes per token
-
-    def to_json(self) -> dict:
-        return {
-            "runs": [run.summary(self.full_kv_bytes_peak) for run in self.runs],
-            "per_turn": [vars(sample) for run in self.runs for sample in run.turns],
-        }
-
-
 # --- the run --------------------------------------------------------------------------------------------
 def reply_is_correct(reply: str, probe: Probe) -> bool:
     """Generate mode: some `expect` string (when any are given) and no `forbid` string, case-insensitive."""
@@ -290,19 +113,20 @@ def feed_together(model: torch.nn.Module, lanes: list[Lane], feeds: list[list[Fe
         lane.run.wall_s += elapsed * sum(len(feed.ids) for feed in lane_feeds) / total
 
 
-def score_lanes(lanes: list[Lane], choices: list[str]) -> list[list[float]]:
-    """Every lane's choice scores: the cache policies' in one packed forward (each charged an equal
-    share), the baseline's on its own."""
-    shared = [lane for lane in lanes if isinstance(lane.runner, CacheRunner)]
+def score_lanes(model: torch.nn.Module, fmt: ChatFormat, lanes: list[Lane], choices: list[str]) -> list[list[float]]:
+    """Every lane's choice scores: those with a scoring store in one packed forward (each charged an
+    equal share), the others on their own."""
+    stores = {id(lane): lane.runner.scoring_store() for lane in lanes}
+    shared = [lane for lane in lanes if stores[id(lane)] is not None]
     started = time.perf_counter()
-    together = iter(score_together([lane.runner.agent for lane in shared], choices))
+    together = iter(score_together(model, fmt, [stores[id(lane)] for lane in shared], choices) if shared else [])
     for lane in shared:
         lane.run.wall_s += (time.perf_counter() - started) / len(shared)
-    return [next(together) if isinstance(lane.runner, CacheRunner) else lane.timed(lane.runner.score, choices)
+    return [next(together) if stores[id(lane)] is not None else lane.timed(lane.runner.score, choices)
             for lane in lanes]
 
 
-def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: Turn, t: int, last_probe: int,
+def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: ScriptedTurn, t: int, last_probe: int,
                fed: Counter[int], fmt: ChatFormat, config: EvalConfig, dialogue_id: str) -> None:
     """A probe: each policy prefills the user's message alone (timed: its time to first token); then the
     choices are scored (packed) or each policy drafts a reply alone; the reference replies follow."""
@@ -316,17 +140,22 @@ def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: Turn, t: int, la
         if probe.evidence:
             present = runner.resident()
             retention[id(lane)] = sum(present[e] for e in probe.evidence) / sum(fed[e] for e in probe.evidence)
-    scores = score_lanes(lanes, probe.choices) if config.mode == "choice" else [None] * len(lanes)
+    scores = score_lanes(model, fmt, lanes, probe.choices) if config.mode == "choice" else [None] * len(lanes)
+    distance = t - max(probe.evidence) if probe.evidence else None
     for lane, score in zip(lanes, scores):
+        chosen = margin = None
         if config.mode == "generate":
             ids, seconds = lane.timed(lane.runner.draft, config.reply_tokens)
             correct = reply_is_correct(fmt.decode(ids), probe)
         else:
-            correct = int(np.argmax(score)) == probe.answer
+            chosen = int(np.argmax(score))
+            correct = chosen == probe.answer
+            margin = score[probe.answer] - max(s for k, s in enumerate(score) if k != probe.answer)
             ids, seconds = lane.timed(lane.runner.draft, config.decode_sample_tokens) if t == last_probe else ([], 0.0)
         lane.run.decode_tokens += len(ids)
         lane.run.decode_s += seconds
-        lane.run.probes.append(ProbeOutcome(dialogue_id, t, probe.kind, probe.tags, correct, retention.get(id(lane))))
+        lane.run.probes.append(ProbeRecord(lane.run.policy, dialogue_id, t, probe.kind, probe.tags, correct, chosen,
+                                           probe.answer, margin, probe.evidence, distance, retention.get(id(lane))))
     feed_together(model, lanes, [lane.timed(lane.runner.reply, turn.assistant) for lane in lanes])
 
 
@@ -375,24 +204,8 @@ def run_policies(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalCon
     return [lane.run for lane in lanes]
 
 
-def merge_runs(parts: list[list[PolicyRun]]) -> list[PolicyRun]:
-    """One run per policy from runs over disjoint sets of dialogues (in the order given)."""
-    merged = [PolicyRun(run.policy, run.budget_tokens, run.kv_dtype, run.mode) for run in parts[0]]
-    for runs in parts:
-        for total, run in zip(merged, runs):
-            total.probes += run.probes
-            total.turns += run.turns
-            total.kv_bytes_peak = max(total.kv_bytes_peak, run.kv_bytes_peak)
-            total.decode_tokens += run.decode_tokens
-            total.decode_s += run.decode_s
-            total.wall_s += run.wall_s
-            if run.residency is not None:
-                total.residency = run.residency
-    return merged
-
-
 class Pool(Protocol):
-    """Runs `run_policies` over dialogues in other processes (agent/workers.py)."""
+    """Runs `run_policies` over dialogues in other processes (agent/eval/workers.py)."""
 
     def run(self, dialogues: list[Dialogue], config: EvalConfig, budget_tokens: int, map_id: str,
             on_dialogue: Callable[[], None]) -> list[PolicyRun]: ...
@@ -406,7 +219,8 @@ def evaluate(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalConfig,
     map_id = config.map_dialogue or dialogues[0].id
     if map_id not in {d.id for d in dialogues}:
         raise ValueError(f"--map: no dialogue {map_id!r} among the {len(dialogues)} evaluated")
-    budget_tokens = config.budget.tokens(dialogues, fmt)
+    longest = max(full_cache_tokens(d, fmt) for d in dialogues)
+    budget_tokens = config.budget.tokens(longest)
     tasks = [progress.add_task(policy, total=len(dialogues)) for policy in config.policies] if progress else []
 
     def on_dialogue() -> None:
@@ -418,6 +232,5 @@ def evaluate(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalConfig,
     else:
         runs = pool.run(dialogues, config, budget_tokens, map_id, on_dialogue)
     full = next((run for run in runs if run.policy == "full"), None)
-    longest = max(full_cache_tokens(d, fmt) for d in dialogues)
-    full_peak = full.kv_bytes_peak if full is not None else longest * kv_bytes_per_token(loaded)
+    full_peak = full.kv_bytes_peak if full is not None else longest * loaded.kv_bytes_per_token()
     return EvalResult(config, budget_tokens, runs, map_id, full_peak)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from rich.table import Table
 
-from agent.eval.harness import EvalResult
+from agent.eval.results import FAR, EvalResult
 
 MIB = 1024 * 1024
 
@@ -27,12 +27,16 @@ def table(result: EvalResult) -> Table:
     summaries = [run.summary(result.full_kv_bytes_peak) for run in result.runs]
     kinds = sorted({k for s in summaries for k in s["by_kind"]})
     tags = sorted({t for s in summaries for t in s["by_tag"]})
+    far_kinds = sorted({k for s in summaries for k in s["far_by_kind"]})
     rows: list[tuple[str, str, object]] = [
         ("budget (tokens)", "raw", lambda s: s["budget_tokens"] or "none"),
         ("probes", "raw", lambda s: s["probes"]),
         ("accuracy", "pct", lambda s: s["accuracy"]),
         *((f"  {kind}", "pct", lambda s, k=kind: s["by_kind"].get(k)) for kind in kinds),
         *((f"  tag {tag}", "pct", lambda s, t=tag: s["by_tag"].get(t)) for tag in tags),
+        (f"evidence {FAR}+ turns back", "pct", lambda s: s["far_accuracy"]),
+        (f"  probes", "raw", lambda s: s["far_probes"]),
+        *((f"  {kind}", "pct", lambda s, k=kind: s["far_by_kind"].get(k)) for kind in far_kinds),
         ("evidence retention", "pct", lambda s: s["evidence_retention"]),
         ("KV peak (MiB)", "mib", lambda s: s["kv_bytes_peak"]),
         ("KV mean (MiB)", "mib", lambda s: s["kv_bytes_mean"]),

@@ -13,19 +13,18 @@ import torch
 from transformers import DynamicCache
 
 from agent.chat_format import ChatFormat
+from agent.engine import Feed
 from agent.model import LoadedModel
 from agent.scoring import ChoiceBatch
 
 
 class Reprefill:
-    """Runs a scripted dialogue the naive way; same surface as the harness's cache runner."""
+    """Runs a scripted dialogue the naive way (agent/eval/runners.py: Runner)."""
 
-    name = "reprefill"
-
-    def __init__(self, loaded: LoadedModel, bytes_per_token: int):
+    def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.format = ChatFormat.from_tokenizer(loaded.tokenizer)
-        self.bytes_per_token = bytes_per_token
+        self.bytes_per_token = loaded.kv_bytes_per_token()
 
     def start(self, system: str | None) -> None:
         self.ids: list[int] = []
@@ -55,10 +54,14 @@ class Reprefill:
         self.last_logits = self._forward(self.ids)
         return (time.perf_counter() - started) * 1000
 
-    def scripted_turn(self, text: str, reply: str | None) -> list:
+    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
         """A turn whose answer is not needed: only the history grows; nothing to feed."""
         self._append(self.format.user_message(text), self.turn)
         return self.reply(reply)
+
+    def scoring_store(self) -> None:
+        """Scored alone, over its transient DynamicCache."""
+        return None
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice after this turn's history, all choices in one forward
@@ -96,7 +99,7 @@ class Reprefill:
         if extra:
             self.cache.crop(-extra)
 
-    def reply(self, text: str | None) -> list:
+    def reply(self, text: str | None) -> list[Feed]:
         """Append the scripted reply (if any) and the next user header; drop the transient cache.
         Nothing to feed: the history is only encoded when an answer is needed."""
         reply = self.format.assistant_reply(text) if text is not None else []

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from agent.eval.dialogue import Dialogue
-from agent.eval.harness import EvalConfig, PolicyRun, merge_runs, run_policies
+from agent.eval.harness import EvalConfig, run_policies
+from agent.eval.results import PolicyRun, merge_runs
 from agent.model import LoadedModel, load_model
 
 

@@ -1,0 +1,101 @@
+"""Runners: one surface over what evaluation drives through a scripted dialogue. `CacheRunner` drives an
+`Agent` by teacher forcing through the Agent's own turn steps; `Reprefill` (agent/eval/reprefill.py)
+keeps no cache at all. The harness packs the runners' feeds into shared forwards."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+
+from agent.agent import Agent, AgentConfig, Turn
+from agent.engine import Feed, SamplingConfig, decode
+from agent.model import LoadedModel
+from cache.storage import StorageConfig
+from cache.store import KVStore
+
+
+class Runner(Protocol):
+    def start(self, system: str | None) -> None: ...
+    def user_turn(self, text: str) -> float:
+        """Prefill a user message alone; returns its time to first token's logits in ms."""
+    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
+        """A turn whose answer is not needed: everything it feeds, to be packed with other runners'."""
+    def reply(self, text: str | None) -> list[Feed]:
+        """After a probe: the reference reply and the next header, to be packed."""
+    def scoring_store(self) -> KVStore | None:
+        """The store to score choices against in a shared packed forward, or None to score alone."""
+    def score(self, choices: list[str]) -> list[float]: ...
+    def draft(self, max_new_tokens: int) -> tuple[list[int], float]:
+        """A greedy reply from the current state, rolled back; the ids and the seconds spent."""
+    def resident(self) -> Counter[int]:
+        """Tokens held per dialogue turn."""
+    def kv_tokens(self) -> int: ...
+    def kv_bytes(self) -> int: ...
+
+
+class CacheRunner:
+    """The Agent under one cache policy."""
+
+    def __init__(self, loaded: LoadedModel, config: AgentConfig):
+        self.loaded, self.config = loaded, config
+
+    def start(self, system: str | None) -> None:
+        self.agent = Agent(self.loaded, replace(self.config, system=system))
+        self.turn: Turn | None = None
+
+    def user_turn(self, text: str) -> float:
+        started = time.perf_counter()
+        self.turn = self.agent.observe(text)
+        self.agent.recall(self.turn)
+        self.agent.prefill(self.turn)
+        return (time.perf_counter() - started) * 1000
+
+    def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
+        turn = self.agent.observe(text)
+        self.agent.recall(turn)
+        return [self.agent.user_feed(turn).then(self.agent.reply_feed(turn, reply))]
+
+    def reply(self, text: str | None) -> list[Feed]:
+        return [self.agent.reply_feed(self.turn, text)]
+
+    def scoring_store(self) -> KVStore:
+        return self.agent.store
+
+    def score(self, choices: list[str]) -> list[float]:
+        return self.agent.score(choices)
+
+    def draft(self, max_new_tokens: int) -> tuple[list[int], float]:
+        """Room for the draft is made first (what a chat's decode would evict stays evicted); the
+        draft itself is decoded in a fork and rolled back, so the reference reply can follow."""
+        agent, store = self.agent, self.agent.store
+        started = time.perf_counter()
+        store.make_room(max_new_tokens)
+        with store.fork():
+            ids = list(decode(agent.model, store, agent.format.end_of_turn, SamplingConfig(max_new_tokens=max_new_tokens),
+                              self.turn.index, self.turn.segment))
+        return ids, time.perf_counter() - started
+
+    def resident(self) -> Counter[int]:
+        turns, counts = torch.unique(self.agent.store.meta.turn, return_counts=True)
+        return Counter(dict(zip(turns.tolist(), counts.tolist())))
+
+    def kv_tokens(self) -> int:
+        return self.agent.store.length
+
+    def kv_bytes(self) -> int:
+        return self.agent.store.memory_bytes()
+
+
+BASELINE = "reprefill"
+
+
+def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel) -> Runner:
+    from agent.eval.reprefill import Reprefill
+
+    if policy == BASELINE:
+        return Reprefill(loaded)
+    return CacheRunner(loaded, AgentConfig(policy=policy, budget_tokens=budget, storage=StorageConfig(kv_dtype)))
