@@ -20,11 +20,14 @@ def _cell(value, kind: str) -> str:
         return f"{value / MIB:.2f}"
     if kind == "ms":
         return f"{value:.1f}"
+    if kind == "ratio":
+        return f"{value:.2f}"
     return str(value)
 
 
 def table(result: EvalResult) -> Table:
     summaries = [run.summary(result.full_kv_bytes_peak) for run in result.runs]
+    full = next((s["accuracy"] for s in summaries if s["policy"] == "full"), None)
     kinds = sorted({k for s in summaries for k in s["by_kind"]})
     tags = sorted({t for s in summaries for t in s["by_tag"]})
     far_kinds = sorted({k for s in summaries for k in s["far_by_kind"]})
@@ -32,6 +35,8 @@ def table(result: EvalResult) -> Table:
         ("budget (tokens)", "raw", lambda s: s["budget_tokens"] or "none"),
         ("probes", "raw", lambda s: s["probes"]),
         ("accuracy", "pct", lambda s: s["accuracy"]),
+        *([("  share of full", "ratio", lambda s: s["accuracy"] / full if s["accuracy"] is not None else None)]
+          if full else []),
         *((f"  {kind}", "pct", lambda s, k=kind: s["by_kind"].get(k)) for kind in kinds),
         *((f"  tag {tag}", "pct", lambda s, t=tag: s["by_tag"].get(t)) for tag in tags),
         (f"evidence {FAR}+ turns back", "pct", lambda s: s["far_accuracy"]),
