@@ -3,7 +3,8 @@
 A write goes to a temporary file in the same directory, is fsynced, renamed over the target and the
 directory fsynced: a crash leaves either the old file or the new one, never a torn mix, and the rename
 is not persisted before the data it names (ext4's delayed allocation would otherwise allow a zero-length
-file after a crash)."""
+file after a crash). `sync=False` leaves both fsyncs to the caller, who batches them (fsync_file for each
+file, then fsync_dir once) before committing anything that refers to the files."""
 
 from __future__ import annotations
 
@@ -22,14 +23,24 @@ class ArchiveError(Exception):
         super().__init__(" ".join(f"{self.path}: {reason}".split()))
 
 
-def atomic_write(path: Path, data: bytes | memoryview) -> None:
+def atomic_write(path: Path, data: bytes | memoryview, sync: bool = True) -> None:
     temp = path.with_name(path.name + TEMP_SUFFIX)
     with open(temp, "wb") as handle:
         handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(temp, path)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def fsync_dir(directory: Path) -> None:

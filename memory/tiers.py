@@ -1,13 +1,18 @@
 """Where archived KV payloads live: in memory up to a byte cap, then one file per segment on disk.
 
 - Memory tier: payloads in insertion order; past `memory_cap` bytes the oldest are spilled to their files
-  (written atomically) and dropped from memory, so the bytes held never exceed the cap. A spilled payload
+  and dropped from memory, so the bytes held never exceed the cap. A spill is an atomic write (temporary
+  file, rename) whose fsyncs are batched into the next `flush`, which the caller runs before committing
+  metadata that names the files: a spill costs a copy into the page cache, not a disk flush per turn,
+  and a crash before the commit leaves only unreferenced files, deleted as strays on reopen. A spilled payload
   read back by `get` is not promoted back: the caller splices it into its live cache, and a second copy
   here would only push out newer ones.
 - Disk tier: past `disk_cap` bytes of files, the oldest segments held only on disk are evicted: the caller
   deletes them (row and vector) and their files go at the next `commit()`. Files are deleted only after
   the caller's metadata commit, so a crash in between never leaves a committed row without its file.
-  Until then they still occupy disk (disk_bytes counts them); the cap governs the live files.
+  Until then they still occupy disk (disk_bytes counts them); the cap governs the live files. Files
+  that `flush` writes for payloads still in memory count toward the cap but are not evicted while the
+  payload is in memory, so right after a save the live files may exceed the cap until the next spill.
 
 File format: MAGIC, the CRC32 of the rest (4 bytes, little-endian), then safetensors bytes (no pickle,
 so a tampered file cannot run code). Reading checks magic and CRC before parsing."""
@@ -23,7 +28,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from memory.codec import Payload, nbytes
-from memory.files import TEMP_SUFFIX, ArchiveError, atomic_write, fsync_dir, read_file
+from memory.files import TEMP_SUFFIX, ArchiveError, atomic_write, fsync_dir, fsync_file, read_file
 
 MAGIC = b"MPALACE-KV1\n"
 SUFFIX = ".kv"
@@ -40,6 +45,7 @@ class KVTiers:
         self._memory_bytes = 0
         self._files: dict[int, int] = {}  # live files, oldest first
         self._doomed: list[int] = []  # files to delete at commit()
+        self._unsynced: list[int] = []  # files written since the last flush()
         directory.mkdir(parents=True, exist_ok=True)
         for segment_id, size in sorted((files or {}).items()):
             path = self.path(segment_id)
@@ -87,9 +93,16 @@ class KVTiers:
             self._doomed.append(segment_id)
 
     def flush(self) -> dict[int, int]:
-        """Write a file for every payload held only in memory (they stay in memory too); returns id -> size."""
+        """Write a file for every payload held only in memory (they stay in memory too), then make every
+        file written since the last flush durable; returns the files written now (id -> size)."""
         written = {segment_id: self._write(segment_id, payload)
                    for segment_id, payload in self._memory.items() if segment_id not in self._files}
+        for segment_id in self._unsynced:
+            if segment_id in self._files:
+                fsync_file(self.path(segment_id))
+        if self._unsynced:
+            fsync_dir(self.directory)
+        self._unsynced.clear()
         return written
 
     def commit(self) -> None:
@@ -134,8 +147,9 @@ class KVTiers:
     def _write(self, segment_id: int, payload: Payload) -> int:
         body = save_tensors(payload)
         data = MAGIC + zlib.crc32(body).to_bytes(4, "little") + body
-        atomic_write(self.path(segment_id), data)
+        atomic_write(self.path(segment_id), data, sync=False)
         self._files[segment_id] = len(data)
+        self._unsynced.append(segment_id)
         return len(data)
 
     def _read(self, segment_id: int) -> Payload:
