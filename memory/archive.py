@@ -123,39 +123,26 @@ class Archive:
         kind: a different index config rebuilds the index from the stored embeddings). A missing, corrupt
         or truncated file, or another format version, raises ArchiveError naming the file."""
         directory = Path(directory)
-        db_path = directory / DB_NAME
-        if not db_path.is_file():
-            raise ArchiveError(db_path, "no archive here (file missing)")
+        db, generation, stored, files = _open_db(directory / DB_NAME)
         try:
-            db = sqlite3.connect(db_path)
-            check = db.execute("PRAGMA quick_check").fetchone()[0]
-            if check != "ok":
-                raise sqlite3.DatabaseError(check)
-            meta = dict(db.execute("SELECT key, value FROM meta"))
-            version, generation = meta.get("format_version"), int(meta["generation"])
-            if version != str(FORMAT_VERSION):
-                raise ArchiveError(db_path, f"archive format version {version}; this code reads version {FORMAT_VERSION}")
-            config = config or ArchiveConfig.from_json(meta["config"])
-            files = dict(db.execute("SELECT id, kv_file_bytes FROM segments ORDER BY id"))
-        except (sqlite3.Error, KeyError, TypeError, ValueError) as error:
-            raise ArchiveError(db_path, f"not a readable archive database ({type(error).__name__}: {error})") from error
-        unwritten = [segment_id for segment_id, size in files.items() if size is None]
-        if unwritten:
-            raise ArchiveError(db_path, f"segments {unwritten[:5]} have no KV file recorded")
-        tiers = KVTiers(directory / KV_DIR, config.memory_cap_bytes, config.disk_cap_bytes, files)
-        tiers.remove_strays()
-        index, stamp = VectorIndex.load(directory / INDEX_NAME)
-        if stamp != generation or index.config != config.index or index.ids() != set(files):
-            index = VectorIndex(config.index)
-            for segment_id, user_id, session_id, embedding in db.execute(
-                    "SELECT id, user_id, session_id, embedding FROM segments ORDER BY id"):
-                index.add([segment_id], np.frombuffer(embedding, dtype="<f4"), user_id, session_id)
+            config = config or stored
+            tiers = KVTiers(directory / KV_DIR, config.memory_cap_bytes, config.disk_cap_bytes, files)
+            tiers.remove_strays()
+            index, stamp = VectorIndex.load(directory / INDEX_NAME)
+            if stamp != generation or index.config != config.index or index.ids() != set(files):
+                index = VectorIndex(config.index)
+                for segment_id, user_id, session_id, embedding in db.execute(
+                        "SELECT id, user_id, session_id, embedding FROM segments ORDER BY id"):
+                    index.add([segment_id], np.frombuffer(embedding, dtype="<f4"), user_id, session_id)
+        except BaseException:
+            db.close()
+            raise
         return cls(db, config, index, tiers, directory, None, generation)
 
     def add(self, segment: Segment, embedding: np.ndarray) -> int:
         """Archive a copy of `segment` (its own id is ignored) under its embedding (a unit vector from
         the Embedder); returns the new segment id. May spill older KV to disk and, past the disk cap,
-        remove the oldest disk-only segments."""
+        remove the oldest disk-only segments (this very one, if its file alone exceeds the cap)."""
         vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
         payload = codec.encode(segment.keys, segment.values, self.config.kv_codec)
         cursor = self._db.execute(
@@ -181,12 +168,15 @@ class Archive:
         """The segment with its KV in `dtype` (default: the dtype it was added in; int8 is dequantized),
         every tensor on `device`. KeyError if there is no such segment."""
         row = self._db.execute(
-            f"SELECT {RECORD_COLUMNS}, tokens, positions, importance, surprisal, dtype FROM segments WHERE id = ?",
+            f"SELECT {RECORD_COLUMNS}, tokens, positions, importance, surprisal, dtype, codec FROM segments WHERE id = ?",
             (segment_id,)).fetchone()
         if row is None:
             raise KeyError(segment_id)
         payload, shared = self._tiers.get(segment_id)
-        keys, values = codec.decode(payload, dtype or getattr(torch, row[13]), device, copy=shared)
+        try:
+            keys, values = codec.decode(payload, row[14], dtype or getattr(torch, row[13]), device, copy=shared)
+        except KeyError as error:
+            raise ArchiveError(self._tiers.path(segment_id), f"holds no {error} tensor for {row[14]} KV") from error
         return Segment(
             user_id=row[1], session_id=row[2], kind=row[3], role=row[4], turn=row[5], topic=row[6], text=row[7],
             tokens=np.frombuffer(row[9], dtype="<i8").tolist(), positions=_tensor(row[10], "<i8", device),
@@ -281,6 +271,32 @@ class Archive:
     def _record_files(self, written: dict[int, int]) -> None:
         self._db.executemany("UPDATE segments SET kv_file_bytes = ? WHERE id = ?",
                              [(size, segment_id) for segment_id, size in written.items()])
+
+
+def _open_db(path: Path) -> tuple[sqlite3.Connection, int, ArchiveConfig, dict[int, int]]:
+    """The checked database: its connection, save generation, stored config and KV file sizes."""
+    if not path.is_file():
+        raise ArchiveError(path, "no archive here (file missing)")
+    db = sqlite3.connect(path)
+    try:
+        check = db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(check)
+        meta = dict(db.execute("SELECT key, value FROM meta"))
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise ArchiveError(path, f"archive format version {meta.get('format_version')}; "
+                                     f"this code reads version {FORMAT_VERSION}")
+        generation, config = int(meta["generation"]), ArchiveConfig.from_json(meta["config"])
+        files = dict(db.execute("SELECT id, kv_file_bytes FROM segments ORDER BY id"))
+        unwritten = [segment_id for segment_id, size in files.items() if size is None]
+        if unwritten:
+            raise ArchiveError(path, f"segments {unwritten[:5]} have no KV file recorded")
+        return db, generation, config, files
+    except BaseException as error:
+        db.close()
+        if isinstance(error, (sqlite3.Error, KeyError, TypeError, ValueError)):
+            raise ArchiveError(path, f"not a readable archive database ({type(error).__name__}: {error})") from error
+        raise
 
 
 def _blob(values: list[int] | torch.Tensor, dtype: str) -> bytes:

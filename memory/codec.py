@@ -34,38 +34,36 @@ def encode(keys: list[torch.Tensor], values: list[torch.Tensor], codec: str) -> 
     stacked_values = torch.stack([layer.detach().cpu() for layer in values])
     if codec == "float":
         return {"keys": stacked_keys, "values": stacked_values}
-    key_codes, key_scale = _quantize(stacked_keys, dim=2)  # over tokens: one scale per channel
-    value_codes, value_scale = _quantize(stacked_values, dim=3)  # over channels: one scale per token
+    key_codes, key_scale = quantize(stacked_keys, dim=2)  # over tokens: one scale per channel
+    value_codes, value_scale = quantize(stacked_values, dim=3)  # over channels: one scale per token
     return {"keys.codes": key_codes, "keys.scale": key_scale, "values.codes": value_codes, "values.scale": value_scale}
 
 
-def decode(payload: Payload, dtype: torch.dtype, device: torch.device | str, copy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer keys and values in `dtype` on `device`. int8 codes move to the device before they are
-    dequantized (a quarter of the bytes to transfer). `copy` when the payload is still held elsewhere, so
-    the caller may modify what it gets (e.g. re-rotate keys in place) without touching the archive."""
-    if "keys" in payload:
+def decode(payload: Payload, kind: str, dtype: torch.dtype, device: torch.device | str,
+           copy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values of a `kind` ("float" or "int8") payload, in `dtype` on `device`. int8
+    codes move to the device before they are dequantized (a quarter of the bytes to transfer). `copy`
+    when the payload is still held elsewhere, so the caller may modify what it gets (e.g. re-rotate keys
+    in place) without touching the archive. KeyError if the payload lacks a tensor of its kind."""
+    if kind == "float":
         keys = payload["keys"].to(device, dtype, copy=copy)
         values = payload["values"].to(device, dtype, copy=copy)
     else:
-        keys = _dequantize(payload["keys.codes"], payload["keys.scale"], dtype, device)
-        values = _dequantize(payload["values.codes"], payload["values.scale"], dtype, device)
+        keys = dequantize(payload["keys.codes"], payload["keys.scale"], dtype, device)
+        values = dequantize(payload["values.codes"], payload["values.scale"], dtype, device)
     return list(keys.unbind(0)), list(values.unbind(0))
-
-
-def kv_names(codec: str) -> set[str]:
-    """The tensor names a payload of `codec` holds, to validate a file before decoding it."""
-    return {"keys", "values"} if codec == "float" else {"keys.codes", "keys.scale", "values.codes", "values.scale"}
 
 
 def nbytes(payload: Payload) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in payload.values())
 
 
-def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes and the float32 scales of the slices along `dim` (kept as a size-1 axis)."""
     x = x.float()
     scale = (x.abs().amax(dim, keepdim=True) / LEVELS).clamp_min(TINY)
     return (x / scale).round_().clamp_(-LEVELS, LEVELS).to(torch.int8), scale
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return (codes.to(device).float() * scale.to(device)).to(dtype)
