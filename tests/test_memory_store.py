@@ -6,6 +6,7 @@ divided by 127; so within 1/254 of that maximum."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 import socket
 import sqlite3
@@ -264,6 +265,25 @@ def test_stale_index_is_rebuilt_from_the_database(tmp_path):
     with Archive.open(directory) as reopened:
         assert reopened.search(vectors[1], "alice", "s1", k=1)[0][0] == second
         assert {i for i, _ in reopened.search(vectors[0], "alice", "s1", k=5)} == {first, second}
+
+
+def test_work_after_the_last_save_is_dropped_cleanly(tmp_path):
+    """An archive abandoned without save() (a crash): its uncommitted rows roll back, and the KV files
+    they spilled are deleted as strays on reopen."""
+    rng = np.random.default_rng(12)
+    directory = tmp_path / "session"
+    first = segment(seed=0)
+    archive = Archive.create(directory, ArchiveConfig(memory_cap_bytes=1))
+    kept = archive.add(first, unit(rng, 1)[0])
+    archive.save()
+    for seed in range(1, 4):
+        archive.add(segment(seed=seed), unit(rng, 1)[0])
+    assert len(list((directory / KV_DIR).iterdir())) == 4
+    del archive  # the connection closes without a commit
+    gc.collect()
+    with Archive.open(directory) as reopened:
+        assert len(reopened) == 1 and same_segment(reopened.get(kept), first)
+        assert [p.name for p in (directory / KV_DIR).iterdir()] == [f"{kept}.kv"]
 
 
 def saved_session(tmp_path) -> tuple:
