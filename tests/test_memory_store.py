@@ -26,16 +26,21 @@ LAYERS, HEADS, DIM = 30, 3, 64  # SmolLM2-135M's KV shape
 
 @pytest.fixture(scope="session")
 def embedder():
-    """Loaded (and used once) with every outgoing connection refused, so any network access fails here."""
+    """Loaded (and used once) with every outgoing connection refused and recorded: a library that
+    swallowed the refusal and fell back to local files would still fail here."""
+    attempts = []
 
     def refuse(*args, **kwargs):
+        attempts.append(args)
         raise OSError("network access during embedder load")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(socket.socket, "connect", refuse)
+        patch.setattr(socket.socket, "connect_ex", refuse)
         patch.setattr(socket, "create_connection", refuse)
         model = Embedder()
         model.embed("warm up")
+    assert attempts == []
     return model
 
 
