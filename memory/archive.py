@@ -183,6 +183,13 @@ class Archive:
             keys=keys, values=values, importance=_tensor(row[11], "<f4", device),
             surprisal=_tensor(row[12], "<f4", device), id=row[0])
 
+    def record(self, segment_id: int) -> Record:
+        """A segment's metadata without reading its KV; KeyError if there is no such segment."""
+        row = self._db.execute(f"SELECT {RECORD_COLUMNS} FROM segments WHERE id = ?", (segment_id,)).fetchone()
+        if row is None:
+            raise KeyError(segment_id)
+        return Record(*row)
+
     def search(self, query_embedding: np.ndarray, user_id: str, session_id: str, k: int = 5,
                threshold: float | None = None) -> list[tuple[int, float]]:
         """(segment_id, cosine score) of this user's and session's closest segments, best first."""

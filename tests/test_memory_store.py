@@ -401,7 +401,7 @@ def test_archive_search_is_scoped_by_user_and_session(embedder):
             found = archive.search(query, *scope, k=5)
             assert len(found) == 2 and archive.get(found[0][0]).text == text
             assert all(owner.get(i, scope) == scope for i, _ in found)
-            assert all(archive.get(i).user_id == scope[0] for i, _ in found)
+            assert all((archive.record(i).user_id, archive.record(i).session_id) == scope for i, _ in found)
         assert archive.search(query, "carol", "s1") == []
         assert [archive.get(i).text for i, _ in archive.search(query, "bob", "s1", threshold=0.5)] == [memories[("bob", "s1")]]
 
