@@ -100,8 +100,8 @@ def test_embedder_unit_vectors_meaningful_and_cached(embedder):
 def test_index_finds_planted_neighbour(kind):
     rng = np.random.default_rng(1)
     index = VectorIndex(IndexConfig(kind=kind))
-    crowd = unit(rng, 2000)
-    index.add(range(2000), crowd, "alice", "s1")
+    crowd = unit(rng, 1000)
+    index.add(range(1000), crowd, "alice", "s1")
     planted = unit(rng, 1)[0]
     index.add([5000], planted, "alice", "s1")
     index.add([6000], planted, "bob", "s1")  # the exact vector, another user's
@@ -389,14 +389,15 @@ def test_metadata_lookups(tmp_path):
 def test_archive_search_is_scoped_by_user_and_session(embedder):
     memories = {("alice", "s1"): "My dog is called Rex.", ("bob", "s1"): "My dog is called Bruno.",
                 ("alice", "s2"): "My dog is called Fido."}
+    vectors = dict(zip([*memories.values(), "I paid by card.", "What is my dog's name?"],
+                       embedder.embed([*memories.values(), "I paid by card.", "What is my dog's name?"])))
     with Archive.create() as archive:
         owner = {}
         for (user, session), text in memories.items():
-            segment_id = archive.add(segment(user=user, session=session, text=text), embedder.embed(text)[0])
+            segment_id = archive.add(segment(user=user, session=session, text=text), vectors[text])
             owner[segment_id] = (user, session)
-            archive.add(segment(user=user, session=session, text="I paid by card."),
-                        embedder.embed("I paid by card.")[0])
-        query = embedder.embed("What is my dog's name?")[0]
+            archive.add(segment(user=user, session=session, text="I paid by card."), vectors["I paid by card."])
+        query = vectors["What is my dog's name?"]
         for scope, text in memories.items():
             found = archive.search(query, *scope, k=5)
             assert len(found) == 2 and archive.get(found[0][0]).text == text
