@@ -111,6 +111,7 @@ class VectorIndex:
             params = faiss.SearchParametersHNSW()
             params.efSearch = max(self.config.hnsw_ef_search, k)
             if entry.removed:
+                # a local name keeps the batch alive through the search: IDSelectorNot does not own it
                 selector = faiss.IDSelectorBatch(np.fromiter(entry.removed, dtype=np.int64))
                 params.sel = faiss.IDSelectorNot(selector)
         scores, found = entry.index.search(self._encode(query), k, params=params)
