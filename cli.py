@@ -56,14 +56,19 @@ def chat(
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()
+    warned = False
     if interactive:
         typer.echo(f"{agent.loaded.name} · policy {policy} · budget {config.budget_tokens}. /stats /reset /quit")
     while True:
         if interactive:
             typer.echo("you> ", nl=False)
-        line = sys.stdin.readline()
-        if not line:
+        raw = sys.stdin.buffer.readline()
+        if not raw:
             break
+        line = raw.decode("utf-8", errors="replace")
+        if "\ufffd" in line and not warned and "\ufffd".encode() not in raw:
+            typer.echo("(input was not valid UTF-8: undecodable bytes were replaced with \ufffd)", err=True)
+            warned = True
         message = line.strip()
         if not message:
             continue

@@ -37,3 +37,12 @@ def test_bad_input_is_one_line_and_nonzero():
         done = palace(*args, stdin="hi\n")
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
+
+
+def test_invalid_utf8_on_stdin_is_replaced_and_said_once():
+    done = subprocess.run(PALACE + ["chat", "--max-new-tokens", "3", "--budget", "256"],
+                          input=b"caf\xe9 \xff\xfe please\nand \xc3 again\n/quit\n", capture_output=True, timeout=300)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "Traceback" not in err and err.count("not valid UTF-8") == 1
+    assert done.stdout.decode().count("palace> ") == 2  # both messages answered
