@@ -163,20 +163,39 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, c: float) -> dict:
     return params
 
 
-BOOSTING = {"iterations": 150, "leaves": 8, "min_samples_leaf": 20, "learning_rate": 0.1}
+BOOSTING = {"iterations": 150, "leaves": 8, "min_samples_leaf": 20, "learning_rate": 0.1, "members": 1,
+            "max_features": 1.0}
 
 
 def fit_boosted(x: np.ndarray, y: np.ndarray) -> dict:
+    """Gradient-boosted trees (sklearn), exported as arrays. With several members (each on a random half
+    of the features) the trees of all are merged into one forest whose raw score is their mean."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    from classifiers.topics import _boosted, export_boosted
+    from classifiers.topics import _boosted, _probabilities, export_boosted
 
-    clf = HistGradientBoostingClassifier(max_iter=BOOSTING["iterations"], learning_rate=BOOSTING["learning_rate"],
-                                         max_leaf_nodes=BOOSTING["leaves"], min_samples_leaf=BOOSTING["min_samples_leaf"],
-                                         l2_regularization=1.0, early_stopping=False, random_state=0).fit(x, y)
-    params = export_boosted(clf)
+    members = []
+    for m in range(BOOSTING["members"]):
+        members.append(HistGradientBoostingClassifier(
+            max_iter=BOOSTING["iterations"], learning_rate=BOOSTING["learning_rate"], max_leaf_nodes=BOOSTING["leaves"],
+            min_samples_leaf=BOOSTING["min_samples_leaf"], l2_regularization=1.0, max_features=BOOSTING["max_features"],
+            early_stopping=False, random_state=m).fit(x, y))
+    parts = [export_boosted(clf) for clf in members]
+    width = max(p["feature"].shape[1] for p in parts)
+    params = {}
+    for k, fill in (("feature", 0), ("threshold", 0.0), ("left", 0), ("right", 0), ("leaf", True), ("value", 0.0)):
+        params[k] = np.concatenate([np.pad(p[k], ((0, 0), (0, width - p[k].shape[1])), constant_values=fill)
+                                    for p in parts])
+    params["value"] = params["value"] / len(parts)
+    params["depth"] = np.asarray(max(int(p["depth"]) for p in parts))
+    params["classes"] = parts[0]["classes"]
+    params["baseline"] = np.mean([p["baseline"] for p in parts], axis=0)
     probe = x[: min(len(x), 300)]
-    assert np.allclose(_boosted(params, probe), clf.predict_proba(probe), atol=1e-6)
+    raw = np.mean([clf._raw_predict(probe) for clf in members], axis=0)
+    assert np.allclose(_boosted(params, probe), _probabilities(raw), atol=1e-6)
+    if len(members) == 1:
+        assert np.allclose(_boosted(params, probe), members[0].predict_proba(probe), atol=1e-6)
+    params.pop("_flat", None)
     return params
 
 
