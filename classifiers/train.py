@@ -364,7 +364,7 @@ def train_command(data: list[str] | None, out: str | None, test_share: float = 0
     results = {name: evaluate(test, run)[0] for name, run in methods(model).items()}
     for line in table_rows(results):
         echo(line)
-    model.meta = {"trained_on": sorted({c.source for c in train}), "train_dialogues": [c.id for c in train],
+    model.meta = {"trained_on": sorted({_relative(c.source) for c in train}), "train_dialogues": [c.id for c in train],
                   "held_out_dialogues": [c.id for c in test], "split_seed": seed, "c_rank": c_rank,
                   "c_decide": c_decide, "rounds": rounds, "kinds": dict(KIND),
                   "held_out": {k: _clean(v.to_json()) for k, v in results.items()},
@@ -429,6 +429,13 @@ def _agrees(decision: str, gold: str, labels: list[str], t: int) -> bool:
     if gold.startswith("return:"):
         return decision.startswith("return:") and labels[int(decision.split(":")[1])] == labels[t]
     return decision == gold
+
+
+def _relative(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
 
 
 def _clean(d: dict) -> dict:
