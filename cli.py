@@ -201,13 +201,45 @@ def bench(
     run_bench(config, model, json_path, typer.echo)
 
 
+@app.command()
+def train(
+    data: Optional[list[str]] = typer.Argument(None, help="Labelled dialogue files or folders (default: "
+                                               "data/dialogues.jsonl and data/topics/)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Model file (default: data/models/topics.json)."),
+    test_share: float = typer.Option(0.25, "--test-share", min=0.05, max=0.9, help="Share of dialogues held out."),
+    seed: int = typer.Option(0, help="Seed of the held-out split."),
+    rounds: int = typer.Option(2, min=0, help="Rounds of training on the classifier's own online states (DAgger)."),
+) -> None:
+    """Train the topic-boundary classifier; print Pk, WindowDiff, boundary F1 and return accuracy on a
+    held-out split next to two baselines; save the model."""
+    from classifiers.train import train_command
+
+    make_parents(out)
+    train_command(data, out, test_share, seed, rounds=rounds, echo=typer.echo)
+
+
+@app.command()
+def topics(
+    files: list[str] = typer.Argument(..., help="Dialogue files (.json/.jsonl) or folders of them."),
+    model: Optional[str] = typer.Option(None, "--model", help="Topic model file (default: data/models/topics.json)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the figures and per-turn predictions here."),
+    baselines: bool = typer.Option(False, "--baselines", help="Also score the TextTiling and every-turn baselines."),
+    quiet: bool = typer.Option(False, "--quiet", help="Only the summary, not every turn."),
+) -> None:
+    """Classify every user turn (new / continue / return:<k>) next to the file's topic labels."""
+    from classifiers.train import topics_command
+
+    make_parents(json_path)
+    topics_command(files, model, json_path, baselines, quiet, echo=typer.echo)
+
+
 def main() -> None:
     """Entry point: every expected failure becomes one line on stderr, never a traceback."""
     from agent.model import ModelError
 
     try:
         app()
-    except (UserError, ModelError, ValueError, FileNotFoundError) as exc:
+    except (UserError, ModelError, ValueError, FileNotFoundError) as exc:  # TopicModelError is a ValueError
         typer.echo(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:

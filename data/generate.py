@@ -610,12 +610,14 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
     # Turn contents: fixed early facts, then facts at random free turns, then probes.
     turns: list[dict | None] = [None] * N_TURNS
     evidence: dict[str, list[int]] = {}
+    what: list[str] = [""] * N_TURNS  # what each turn is, for the fine topic labels (no rng use)
 
     def put(i: int, key: str, v: str, **extra) -> None:
         user, assistant = pick(rng, FACTS[key], v=v, **fmt, **extra)
         if topic[i] not in ("A", "B"):  # a fact dropped into a digression
             user = "Oh, and " + (user if re.match(r"I\b|I'", user) else user[0].lower() + user[1:])
         turns[i] = {"user": user, "assistant": assistant}
+        what[i] = key
 
     put(0, "name", val["name"]); evidence["name"] = [0]
     put(1, "ref", val["ref"]); evidence["ref"] = [1]
@@ -638,6 +640,7 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
                     "assistant": rng.choice(["Sorry about that. I'll add it to the notes.",
                                              "I'm sorry, that shouldn't happen. I've noted it."])}
     evidence["coref"] = [i, i + 1]
+    what[i] = what[i + 1] = "item"
     for k in probes[5:]:
         if k not in evidence:
             i = rng.choice(free(3, 20)); put(i, k, val[k]); evidence[k] = [i]
@@ -674,10 +677,13 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
             user, assistant = pick(rng, RETURNS, phrase=phrase)
             turns[i] = {"user": user, "assistant": assistant[0].upper() + assistant[1:]}
         else:
+            what[i] = "fill" if pools[t] else "misc"
             user, assistant = (pools[t] or misc).pop(0)
             turns[i] = {"user": user, "assistant": assistant}
-    for i, t in enumerate(topic):
-        turns[i]["topic"] = labels.get(t, t)
+    for k, i in probe_at.items():  # after the filling: case, credit and summary turns get a filler first
+        what[i] = "probe:" + k
+    for i, label in enumerate(fine_topics(topic, what, labels, domain, evidence, turns)):
+        turns[i]["topic"] = label
 
     # Probes: the correct choice and three distractors with the same token count.
     text = (system + " " + " ".join(t.get("user", "") + " " + t.get("assistant", "") for t in turns)).lower()
@@ -718,6 +724,50 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
                               "forbid": forced, "evidence": evidence[k], "tags": tags},
                     "values": values_in_order}  # for check(); not written out
     return {"id": did, "domain": domain["name"], "system": system, "turns": turns}
+
+
+# Fine topics (docs/dialogue-format.md, "Topics"): one request per topic. A stated fact that is not part
+# of the request being discussed (contact details, a preference, a date to book, a second item) is a
+# topic of its own; a probe that asks about it again returns to that topic; the turn after such an
+# aside returns to the request it interrupted. Small-talk asides are topics of their own.
+FACT_TOPICS = {"email": "email-address", "phone": "mobile-number", "address": "postal-address",
+               "address_fix": "postal-address", "channel": "contact-channel", "language": "letter-language",
+               "allergen": "allergy", "confusable_ref": "older-reference", "confusable_item": "other-item"}
+ACKNOWLEDGEMENTS = ("Okay, I'm back. Thanks for waiting.", "Thanks, that makes sense so far.")
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def fine_topics(topic: list[str], what: list[str], labels: dict, domain: dict, evidence: dict,
+                turns: list[dict]) -> list[str]:
+    """The `topic` label of every turn at the granularity of one request. Uses no randomness, so a
+    seed gives the same text as before and only the labels are finer."""
+    coarse = [labels.get(t, t) for t in topic]
+    fine: list[str] = []
+    for i, kind in enumerate(what):
+        if kind in ("date", "date_fix"):
+            fine.append(slug(domain["date_label"]))
+        elif kind in FACT_TOPICS:
+            fine.append(FACT_TOPICS[kind])
+        elif kind == "item":
+            fine.append("second-item")
+        elif kind == "probe:summary":
+            fine.append("wrap-up")
+        elif kind.startswith("probe:"):  # asking about a fact again returns to the topic it was stated in
+            fine.append(None)  # filled below, once the evidence turn's label is known
+        elif kind == "misc" and turns[i]["user"] not in ACKNOWLEDGEMENTS:
+            fine.append("aside")  # numbered below: every aside is a topic of its own
+        else:  # the request itself, its fillers, returns and the facts that belong to it (case, credit)
+            fine.append(coarse[i])
+    for i, kind in enumerate(what):
+        if fine[i] is None:
+            fine[i] = fine[max(evidence[kind.split(":")[1]])]
+    for i, label in enumerate(fine):
+        if label == "aside":
+            fine[i] = fine[i - 1] if i and fine[i - 1].startswith("aside-") else f"aside-{i}"
+    return fine
 
 
 def words(s: str) -> int:

@@ -1,0 +1,145 @@
+"""The topic-boundary classifier with its shipped model and real all-MiniLM-L6-v2 embeddings (no mocks)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from nltk.metrics.segmentation import pk as nltk_pk
+from nltk.metrics.segmentation import windowdiff as nltk_windowdiff
+
+from classifiers.segmentation import boundaries_of_decisions, boundaries_of_labels, score_all, score_dialogue
+from classifiers.topics import DECIDE_FEATURES, DEFAULT_MODEL, TopicModel, TopicModelError, TopicTracker, embed, load_embedder
+from classifiers.train import gold_decisions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REFUND = [
+    ("Hi, I returned a blender two weeks ago and I still haven't had my refund.",
+     "Sorry about the wait. Can you give me the order number?"),
+    ("It's order BH-55120, the red Vortex blender.", "Thanks. I can see the return arrived at our warehouse on the 3rd."),
+    ("So why hasn't the refund come through yet?", "It was held because the box was marked as damaged on arrival."),
+]
+TV = [
+    ("Separately, can I add the sports channels to my TV package?", "Yes, the sports pack is fifteen pounds a month."),
+    ("Is there a minimum contract for the sports pack?", "No, it's a rolling monthly add-on you can cancel any time."),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_with_corrupt_model(tmp_path_factory):
+    """`palace topics` with a truncated model file, started first: the CLI imports the whole agent (torch)
+    before it gets to the model, so it runs alongside the other tests instead of after them."""
+    corrupt = tmp_path_factory.mktemp("cli") / "topics.json"
+    corrupt.write_bytes(DEFAULT_MODEL.read_bytes()[:5000])
+    process = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "topics", "--model", str(corrupt),
+                                str(ROOT / "tests" / "fixtures" / "topics-natural.jsonl")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    yield corrupt, process
+    process.kill()
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    return load_embedder()
+
+
+@pytest.fixture(scope="session")
+def model():
+    return TopicModel.load()
+
+
+def run(model, embedder, exchanges, final_user):
+    """Observe every (user, reply) pair, then the final user turn; return the final decision and tracker."""
+    texts = [u for u, _ in exchanges] + [final_user]
+    replies = [a for _, a in exchanges]
+    users, answers = embed(embedder, texts), embed(embedder, replies)
+    tracker = TopicTracker(model)
+    for i, (user, reply) in enumerate(exchanges):
+        tracker.observe(user, embedding=users[i])
+        tracker.reply(reply, embedding=answers[i])
+    return tracker.observe(final_user, embedding=users[-1]), tracker
+
+
+def test_clear_switch_is_a_new_topic(model, embedder):
+    decision, _ = run(model, embedder, REFUND, "Another thing: I'd like to add the sports channels to my TV package.")
+    assert decision.label == "new" and decision.topic_turn == len(REFUND) == decision.segment
+
+
+def test_going_back_to_the_refund_names_its_first_turn(model, embedder):
+    decision, tracker = run(model, embedder, REFUND + TV, "Going back to the refund, has it gone through yet?")
+    assert tracker.segments()[:len(REFUND) + len(TV)] == [0] * len(REFUND) + [len(REFUND)] * len(TV)
+    assert decision.label == "return:0" and decision.topic_turn == 0 and decision.segment == len(REFUND) + len(TV)
+
+
+def test_continuation_without_a_cue_stays_continue(model, embedder):
+    decision, _ = run(model, embedder, REFUND[:1], "It's order BH-55120, I bought it in March.")
+    assert decision.label == "continue" and decision.topic_turn == 0
+    decision, _ = run(model, embedder, REFUND[:2], "How long does the warehouse usually take to check a return?")
+    assert decision.label == "continue"
+
+
+def test_precomputed_embedding_and_saved_state_give_the_same_decisions(model, embedder):
+    exchanges = REFUND + TV[:1]
+    tracker = TopicTracker(model, embedder)  # computes the embeddings itself
+    labels = []
+    for user, reply in exchanges:
+        labels.append(tracker.observe(user).label)
+        tracker.reply(reply)
+    restored = TopicTracker.from_state(json.loads(json.dumps(tracker.state())), model)
+    final = "Going back to the refund, has it gone through yet?"
+    decision, fresh = run(model, embedder, exchanges, final)  # embeddings computed by the caller, batched
+    assert [t.label for t in fresh.turns[:-1]] == labels
+    assert restored.observe(final, embedding=fresh.turns[-1].embedding).label == decision.label
+
+
+def test_corrupt_or_foreign_model_file_is_a_one_line_error(tmp_path, cli_with_corrupt_model):
+    corrupt = tmp_path / "topics.json"
+    corrupt.write_bytes(DEFAULT_MODEL.read_bytes()[:5000])  # truncated
+    other = tmp_path / "old.json"
+    raw = json.loads(DEFAULT_MODEL.read_text())
+    other.write_text(json.dumps({**raw, "format_version": 0}))
+    damaged = tmp_path / "damaged.json"
+    raw["decider"]["feature"]["data"] = "!!!"
+    damaged.write_text(json.dumps(raw))
+    for path, words in ((corrupt, "corrupt"), (other, "version"), (damaged, "not a valid"),
+                        (tmp_path / "missing.json", "no such")):
+        with pytest.raises(TopicModelError) as caught:
+            TopicModel.load(path)
+        message = str(caught.value)
+        assert str(path) in message and words in message and "\n" not in message, message
+    cli_corrupt, process = cli_with_corrupt_model
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 2 and "Traceback" not in stderr
+    assert stderr.strip().count("\n") == 0 and str(cli_corrupt) in stderr and "corrupt" in stderr, stderr
+
+
+def test_pk_and_windowdiff_agree_with_nltk_on_a_hand_checked_example():
+    labels = ["a", "a", "a", "b", "b", "a", "a", "b", "b", "b"]
+    decisions = ["new", "continue", "continue", "new", "new", "continue", "continue", "return:3", "continue",
+                 "continue"]
+    ref, hyp = boundaries_of_labels(labels), boundaries_of_decisions(decisions)
+    assert (ref, hyp) == ("0001010100", "0001100100")
+    s = score_dialogue(labels, decisions)
+    # by hand, k = round(10 / (2 * 3)) = 2, 9 windows: Pk differs in window 5 only; WindowDiff in windows 3
+    # (hyp counts 2 boundaries, ref 1) and 5 (0 vs 1)
+    assert s.pk == pytest.approx(1 / 9) and s.windowdiff == pytest.approx(2 / 9)
+    assert s.pk == nltk_pk(ref, hyp, 2) and s.windowdiff == nltk_windowdiff(ref, hyp, 2)
+    assert s.boundary_f1 == pytest.approx(2 / 3)  # hits at 3 and 7 of 3 and 3
+    assert (s.returns, s.returns_named, s.return_accuracy) == (2, 1, 0.5)  # turn 5 missed, turn 7 named
+    total = score_all([s, score_dialogue(labels, gold_decisions(labels))])
+    assert total.pk == pytest.approx(1 / 18) and total.return_accuracy == pytest.approx(3 / 4)
+
+
+def test_gold_decisions_follow_the_labels():
+    assert gold_decisions(["a", "a", "b", "a", "c", "b"]) == ["new", "continue", "new", "return:0", "new",
+                                                              "return:2"]
+
+
+def test_shipped_model_is_small_and_versioned(model):
+    assert DEFAULT_MODEL.stat().st_size < 1_000_000
+    assert json.loads(DEFAULT_MODEL.read_text())["format_version"] == 1
+    p = model.decide(np.zeros(len(DECIDE_FEATURES)))
+    assert p.shape == (3,) and abs(p.sum() - 1) < 1e-9
