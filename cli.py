@@ -41,6 +41,7 @@ def chat(
     system: Optional[str] = typer.Option(None, help="System prompt."),
     kv_dtype: str = typer.Option("float32", "--kv-dtype", help="float32, bfloat16, float16, int8, int4, fp8 or dynamic."),
     paged: bool = typer.Option(False, "--paged", help="Hold KV in 16-token blocks from a pool (float kv dtypes)."),
+    topics: bool = typer.Option(True, "--topics/--no-topics", help="Track topics (new / continue / return) per turn."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -52,7 +53,7 @@ def chat(
 
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
                          budget_tokens=Budget.parse(budget).tokens(), system=system,
-                         storage=StorageConfig(kv_dtype, paged=paged),
+                         storage=StorageConfig(kv_dtype, paged=paged), topics=topics,
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()

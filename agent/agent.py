@@ -38,15 +38,19 @@ class AgentConfig:
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    topics: bool = False  # classify each turn's topic (classifiers/topics.py); segments become topics
 
 
 @dataclass
 class Turn:
-    """One user turn as the agent handles it: its index, the user's words and its topic segment."""
+    """One user turn as the agent handles it: its index, the user's words, its topic segment (the topic's
+    first turn when topics are tracked, else the turn itself), the topic decision and the reply."""
 
     index: int
     text: str
     segment: int
+    topic: str | None = None  # "new", "continue" or "return:<k>"
+    reply: str | None = None
 
 
 @dataclass
@@ -77,6 +81,11 @@ class Agent:
             self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens),
             self.config.hybrid,
         )
+        self.topic_model = self.embedder = None
+        if self.config.topics:
+            from classifiers.topics import TopicModel, load_embedder
+
+            self.topic_model, self.embedder = TopicModel.load(), load_embedder()
         self.reset()
 
     @classmethod
@@ -91,6 +100,11 @@ class Agent:
     def reset(self) -> None:
         """Forget the conversation: a fresh store holding only the system prompt and first user header."""
         self.store = KVStore.for_model(self.model, self.policy, self.config.storage)
+        self.tracker = None
+        if self.topic_model is not None:
+            from classifiers.topics import TopicTracker
+
+            self.tracker = TopicTracker(self.topic_model, self.embedder)
         self.turn_index = 0
         self.timing = TurnTiming()
         system = Feed(self.store, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
@@ -120,15 +134,20 @@ class Agent:
             self.timing.decode_s = time.perf_counter() - first_at
         else:
             self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
+        turn.reply = self.format.decode(ids)
         self.remember(turn)
 
     def chat(self, text: str) -> str:
         return "".join(self.stream(text))
 
     def observe(self, text: str) -> Turn:
-        """Number the turn and choose its segment. Each turn is its own segment until a topic classifier
-        groups turns into topic segments."""
+        """Number the turn and choose its segment: with topics tracked, the topic classifier says whether
+        the user opens a new topic, continues, or returns to an earlier one, and the turn joins that
+        topic's segment; otherwise each turn is its own segment."""
         turn = Turn(self.turn_index, text, segment=self.turn_index)
+        if self.tracker is not None:
+            decision = self.tracker.observe(text)
+            turn.segment, turn.topic = decision.topic_turn, decision.label
         self.turn_index += 1
         return turn
 
@@ -143,6 +162,13 @@ class Agent:
         """After the reply: feed its closing and pre-warm the next user header, off the next turn's clock.
         `reply`: a reply's text to feed as history first (teacher forcing), when decode did not feed it."""
         prefill_packed(self.model, [self.reply_feed(turn, reply)])
+        self.note_reply(turn, reply)
+
+    def note_reply(self, turn: Turn, reply: str | None) -> None:
+        """The reply joins the turn's topic (callers that feed `reply_feed` themselves call this too)."""
+        turn.reply = reply if reply is not None else turn.reply
+        if self.tracker is not None and turn.reply:
+            self.tracker.reply(turn.reply)
 
     def user_feed(self, turn: Turn) -> Feed:
         """What `prefill` feeds: the user's message and the assistant header."""
@@ -194,6 +220,9 @@ class Agent:
             "pinned_tokens": int(meta.pinned.sum()),
             "tiers": {name: int(mask.sum()) for name, mask in self.policy.tiers(meta).items()},
             "turns": self.turn_index,
+            **({"topic": self.tracker.current_topic,
+                "topic_stack": sorted(self.tracker.topics, key=lambda k: -self.tracker.topics[k].last)[:5]}
+               if self.tracker is not None and self.tracker.turns else {}),
             "ttft_ms": round(self.timing.ttft_ms, 2),
             "decode_tok_s": round(self.timing.decode_tok_s, 2),
         }

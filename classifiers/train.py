@@ -50,10 +50,10 @@ class Conversation:
 
 
 def load_conversations(paths: list[str]) -> list[Conversation]:
-    from agent.dialogue import _dialogue_files, load_dialogues
+    from agent.eval.dialogue import dialogue_files, load_dialogues
 
     out = []
-    for file in _dialogue_files(paths):
+    for file in dialogue_files(paths):
         for d in load_dialogues([file]):
             out.append(Conversation(d.id, [t.user for t in d.turns], [t.assistant for t in d.turns],
                                     [t.topic for t in d.turns], source=str(file)))

@@ -143,3 +143,22 @@ def test_shipped_model_is_small_and_versioned(model):
     assert json.loads(DEFAULT_MODEL.read_text())["format_version"] == 1
     p = model.decide(np.zeros(len(DECIDE_FEATURES)))
     assert p.shape == (3,) and abs(p.sum() - 1) < 1e-9
+
+
+def test_agent_observe_uses_the_topic_classifier(embedded):
+    """With topics tracked, a return joins its earlier topic's segment and stats show the topic."""
+    from agent import Agent, AgentConfig
+    from tests.helpers import teacher_force
+
+    agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=512, topics=True))
+    script = [("I was charged twice for my March invoice, can you refund one of the charges?",
+               "I can see the duplicate charge and have started a refund."),
+              ("Thanks. Different question: can I add my partner to the account?",
+               "Yes, you can add a second user from the account page."),
+              ("Going back to the refund for the double charge, when will it arrive?", None)]
+    for user, reply in script[:2]:
+        teacher_force(agent, user, reply)
+    turn = agent.observe(script[2][0])
+    assert turn.topic == "return:0" and turn.segment == 0
+    stats = agent.stats()
+    assert stats["topic"] == 0 and 0 in stats["topic_stack"]

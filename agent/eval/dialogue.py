@@ -49,7 +49,7 @@ def load_dialogues(paths: list[str | Path]) -> list[Dialogue]:
     """Load and validate every dialogue in `paths` (.json/.jsonl files or directories of them)."""
     dialogues: list[Dialogue] = []
     first_seen: dict[str, Path] = {}
-    for file in _dialogue_files(paths):
+    for file in dialogue_files(paths):
         for where, raw in _records(file):
             dialogue = _dialogue(raw, f"{file}: {where}", file)
             if dialogue.id in first_seen:
@@ -61,7 +61,7 @@ def load_dialogues(paths: list[str | Path]) -> list[Dialogue]:
     return dialogues
 
 
-def _dialogue_files(paths: list[str | Path]) -> list[Path]:
+def dialogue_files(paths: list[str | Path]) -> list[Path]:
     if not paths:
         raise DialogueError("no dialogue files given")
     files: list[Path] = []

@@ -57,9 +57,11 @@ class CacheRunner:
     def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
         turn = self.agent.observe(text)
         self.agent.recall(turn)
+        self.agent.note_reply(turn, reply)
         return [self.agent.user_feed(turn).then(self.agent.reply_feed(turn, reply))]
 
     def reply(self, text: str | None) -> list[Feed]:
+        self.agent.note_reply(self.turn, text)
         return [self.agent.reply_feed(self.turn, text)]
 
     def scoring_store(self) -> KVStore:
