@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.store import KVStore, TokenMeta
+from cache.meta import TokenMeta
+from cache.store import KVStore
 
 PINNED, PROMISED = 2e30, 1e30
 MIN_BUDGET = 16

@@ -15,59 +15,17 @@ recorded and nothing may be evicted meanwhile."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from cache.meta import TokenMeta
 from cache.rope import Rerotator
 from cache.storage import LayerStorage, StorageConfig
 
 if TYPE_CHECKING:
     from cache.policies import Policy
-
-ROLES = {"system": 0, "user": 1, "assistant": 2}
-
-
-@dataclass
-class TokenMeta:
-    """Column-wise metadata, one entry per cached token, always aligned with the tensors."""
-
-    token: torch.Tensor  # long: token id (-1 when not given), for finding text to pin
-    segment: torch.Tensor  # long: topic segment id
-    turn: torch.Tensor  # long: dialogue turn (-1 = system prompt)
-    role: torch.Tensor  # long: ROLES
-    position: torch.Tensor  # long: RoPE position the key is rotated to
-    pinned: torch.Tensor  # bool: never evicted while pinned
-    importance: torch.Tensor  # float: accumulated attention mass received
-    surprisal: torch.Tensor  # float: -log p(token | what preceded it), its information content when fed
-
-    @classmethod
-    def empty(cls) -> "TokenMeta":
-        long = torch.zeros(0, dtype=torch.long)
-        return cls(long, long, long, long, long, torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
-
-    @classmethod
-    def new(cls, count: int, start: int, turn: int, role: str, segment: int,
-            ids: list[int] | None = None) -> "TokenMeta":
-        full = lambda value: torch.full((count,), value, dtype=torch.long)  # noqa: E731
-        tokens = torch.tensor(ids, dtype=torch.long) if ids is not None else full(-1)
-        return cls(tokens, full(segment), full(turn), full(ROLES[role]), torch.arange(start, start + count),
-                   torch.zeros(count, dtype=torch.bool), torch.zeros(count), torch.zeros(count))
-
-    def __len__(self) -> int:
-        return self.turn.numel()
-
-    def cat(self, other: "TokenMeta") -> "TokenMeta":
-        return TokenMeta(*(torch.cat((getattr(self, f.name), getattr(other, f.name))) for f in fields(self)))
-
-    def select(self, index: torch.Tensor) -> "TokenMeta":
-        return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
-
-    def state(self) -> dict:
-        return {f.name: getattr(self, f.name).clone() for f in fields(self)}
-
 
 class ManagedLayer(CacheLayerMixin):
     """Adapter from transformers' per-layer cache protocol to one LayerStorage."""
@@ -109,6 +67,7 @@ class KVStore(Cache):
         self.rerotator = rerotator
         self.policy = policy
         self.meta = TokenMeta.empty()
+        self.next_serial = 0  # serial of the next token fed
         self.next_logits: torch.Tensor | None = None
         self.frozen = False  # inside a fork: nothing recorded, nothing evicted
 
@@ -138,7 +97,8 @@ class KVStore(Cache):
 
     def expect(self, count: int, turn: int, role: str, segment: int, ids: list[int] | None = None) -> None:
         """Declare the metadata of the next `count` tokens, before the forward that appends them."""
-        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids))
+        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids, self.next_serial))
+        self.next_serial += count
 
     def declare_arrivals(self) -> None:
         """Tokens appended without `expect` (a plain transformers forward) get default metadata: the
@@ -173,13 +133,13 @@ class KVStore(Cache):
         """Feed tokens to read their logits, then roll back exactly (see the module docstring)."""
         if self.frozen:
             raise RuntimeError("a fork of this store is already open")
-        length, next_logits = self.length, self.next_logits
+        length, next_logits, next_serial = self.length, self.next_logits, self.next_serial
         self.frozen = True
         try:
             yield self
         finally:
             self.truncate(length)
-            self.next_logits = next_logits
+            self.next_logits, self.next_serial = next_logits, next_serial
             self.frozen = False
 
     # --- compaction -------------------------------------------------------------------------------
