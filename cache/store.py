@@ -8,24 +8,31 @@ Tokens fed by a plain transformers forward are declared on arrival with default 
 Compaction re-rotates the kept keys so positions stay contiguous (0..len-1), which is why a plain causal
 mask is always right and the next token's position is simply `len(store)`.
 
+Long-term memory meets the cache at two points: what a compaction evicts is handed, KV and all, to
+`on_evict` (an archive), and `inject` splices an archived span back in, at the end or where it was, its
+keys re-rotated to where it lands. Every token fed gets a `serial`, its index in the conversation
+stream, which compaction and splicing keep, so the memory side can tell which archived tokens are live.
+
 A fork (`with store.fork():`) feeds tokens only to read their logits (scoring choices, drafting a
 reply) and then rolls back exactly: length, metadata and the next-token logits are restored, nothing is
-recorded and nothing may be evicted meanwhile."""
+recorded and nothing may be evicted or injected meanwhile."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache.meta import TokenMeta
 from cache.rope import Rerotator
+from cache.span import KVSpan
 from cache.storage import LayerStorage, StorageConfig
 
 if TYPE_CHECKING:
     from cache.policies import Policy
+
 
 class ManagedLayer(CacheLayerMixin):
     """Adapter from transformers' per-layer cache protocol to one LayerStorage."""
@@ -58,7 +65,8 @@ class ManagedLayer(CacheLayerMixin):
 class KVStore(Cache):
     """All layers' KV plus token metadata, under a policy that says what must be recorded (attention
     importance, surprisal) and what to evict. `next_logits` are the logits that predict the next token
-    fed: the one place every caller reads them from."""
+    fed: the one place every caller reads them from. `on_evict`, when set, receives every span a
+    compaction drops (nothing is gathered for it when unset)."""
 
     def __init__(self, num_layers: int, rerotator: Rerotator, policy: "Policy", storage: StorageConfig = StorageConfig()):
         self.storage_config = storage
@@ -70,6 +78,7 @@ class KVStore(Cache):
         self.next_serial = 0  # serial of the next token fed
         self.next_logits: torch.Tensor | None = None
         self.frozen = False  # inside a fork: nothing recorded, nothing evicted
+        self.on_evict: Callable[[KVSpan], None] | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: "Policy", storage: StorageConfig = StorageConfig()) -> "KVStore":
@@ -142,31 +151,92 @@ class KVStore(Cache):
             self.next_logits, self.next_serial = next_logits, next_serial
             self.frozen = False
 
-    # --- compaction -------------------------------------------------------------------------------
+    # --- compaction and splicing ------------------------------------------------------------------
     def keep(self, index: torch.Tensor) -> None:
         """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
-        positions become 0..len-1 again."""
-        if self.frozen:
-            raise RuntimeError("cannot evict inside a fork: make room before opening it")
+        positions become 0..len-1 again. The dropped tokens go to `on_evict`, if set, once the cache is
+        compacted."""
+        self._check_not_frozen("evict")
         index = torch.unique(index.to(torch.long).cpu())  # sorted, deduplicated
         if index.numel() == self.length:
             return
-        new_meta = self.meta.select(index)
-        delta = torch.arange(index.numel()) - new_meta.position
-        moved, rotation = bool((delta != 0).any()), None
-        for layer in self.layers:
-            keys, values = layer.storage.fetch()
-            device_index = index.to(keys.device)
-            kept_keys = keys.index_select(2, device_index)
-            if moved:
+        evicted = self._evicted_spans(index) if self.on_evict is not None else []
+        self._rewrite(0, index)
+        for span in evicted:
+            self.on_evict(span)
+
+    def _check_not_frozen(self, action: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"cannot {action} inside a fork: make room before opening it")
+
+    def _rewrite(self, start: int, order: torch.Tensor, span: KVSpan | None = None) -> None:
+        """The one way the cache is rearranged: tokens [0, start) stay as they are, the rest becomes
+        `order`, indices into (the live tokens from `start` on, then the span's tokens), with keys
+        re-rotated to positions start, start+1, ... From 0 it installs through `replace`, so compaction
+        really releases what it frees; from later on it truncates and appends, so a splice only moves
+        what comes after it (nothing at all before an injection at the end)."""
+        sources = self.meta.select(slice(start, None))
+        if span is not None:
+            sources = sources.cat(span.meta)
+        moved = sources.select(order)
+        positions = torch.arange(start, start + order.numel())
+        delta = positions - moved.position
+        shifted, rotation = bool((delta != 0).any()), None
+        for i, layer in enumerate(self.layers):
+            keys, values = self._sources(i, start, span)
+            device_order = order.to(keys.device)
+            keys, values = keys.index_select(2, device_order), values.index_select(2, device_order)
+            if shifted:
                 rotation = rotation or self.rerotator.rotation(delta, keys.device)
-                kept_keys = self.rerotator.shift(kept_keys, rotation)
-            layer.storage.replace(kept_keys, values.index_select(2, device_index))
-        new_meta.position = torch.arange(index.numel())
-        self.meta = new_meta
+                keys = self.rerotator.shift(keys, rotation)
+            if start == 0:
+                layer.storage.replace(keys, values)
+            else:
+                layer.storage.truncate(start)
+                layer.storage.append(keys, values)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+        moved.position = positions
+        self.meta = self.meta.select(slice(0, start)).cat(moved)
+
+    def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, kv_heads, tokens, head_dim] keys and values that `_rewrite` picks from, for one layer: the
+        live tokens from `start` on (read only if there are any), then the span's, on the cache's device
+        and in its compute dtype."""
+        pieces = []
+        if start < self.length:
+            keys, values = self.layers[layer_index].storage.fetch()
+            pieces.append((keys[:, :, start:], values[:, :, start:]))
+        if span is not None:
+            keys, values = span.keys[layer_index][None], span.values[layer_index][None]
+            if pieces:
+                keys, values = keys.to(pieces[0][0]), values.to(pieces[0][1])
+            elif self.layers[layer_index].is_initialized:
+                keys, values = keys.to(self.layers[layer_index].device), values.to(self.layers[layer_index].device)
+            pieces.append((keys, values))
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([k for k, _ in pieces], dim=2), torch.cat([v for _, v in pieces], dim=2)
+
+    def _evicted_spans(self, kept: torch.Tensor) -> list[KVSpan]:
+        """What keeping `kept` drops, as spans of one stretch of one turn each (adjacent in the cache,
+        consecutive serials, same turn), with their KV as the cache holds it now."""
+        dropped = torch.ones(self.length, dtype=torch.bool)
+        dropped[kept] = False
+        evicted = torch.nonzero(dropped).flatten()
+        if not evicted.numel():
+            return []
+        serial, turn = self.meta.serial[evicted], self.meta.turn[evicted]
+        breaks = (evicted[1:] != evicted[:-1] + 1) | (serial[1:] != serial[:-1] + 1) | (turn[1:] != turn[:-1])
+        firsts = [0, *(torch.nonzero(breaks).flatten() + 1).tolist()]
+        runs = [(int(evicted[a]), int(evicted[b - 1]) + 1) for a, b in zip(firsts, [*firsts[1:], evicted.numel()])]
+        kv = [layer.storage.fetch() for layer in self.layers]
+        return [KVSpan(self.meta.select(slice(lo, hi)).clone(), [k[0, :, lo:hi].clone() for k, _ in kv],
+                       [v[0, :, lo:hi].clone() for _, v in kv]) for lo, hi in runs]
 
     def truncate(self, length: int) -> None:
-        """Crop back to the first `length` tokens."""
+        """Crop back to the first `length` tokens. Not an eviction (nothing goes to `on_evict`): a fork
+        rolls back tokens that never became part of the conversation."""
         for layer in self.layers:
             layer.storage.truncate(length)
         self.meta = self.meta.select(slice(0, length))
