@@ -19,6 +19,7 @@ recorded and nothing may be evicted or injected meanwhile."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -32,6 +33,8 @@ from cache.storage import LayerStorage, StorageConfig
 
 if TYPE_CHECKING:
     from cache.policies import Policy
+
+PLACEMENTS = ("end", "chronological")
 
 
 class ManagedLayer(CacheLayerMixin):
@@ -165,9 +168,52 @@ class KVStore(Cache):
         for span in evicted:
             self.on_evict(span)
 
+    def inject(self, span: KVSpan, turn: int, at: str = "end") -> None:
+        """Splice an archived span back in, recalled at `turn`: at the "end" (after the cache, like a note
+        retrieved before the user's next message) or "chronological" (where it was in the conversation by
+        serial order; everything after it moves up by the span's length). The policy first makes room for
+        it, so the budget holds. Keys are re-rotated from the span's positions to where they land; the
+        rows are marked `recalled_at = turn` and their importance rescaled to the live cache's level (see
+        `_recalled`). The cached logits no longer predict the next token, so `next_logits` is cleared:
+        feed something before reading it."""
+        self._check_not_frozen("inject")
+        if at not in PLACEMENTS:
+            raise ValueError(f"unknown placement {at!r}: use one of {', '.join(PLACEMENTS)}")
+        if bool(self.holds(span.serials).any()):
+            raise ValueError("the span holds tokens the cache already has: inject span.select(~store.holds(span.serials))")
+        if self.policy.budget is not None and len(span) > self.policy.budget:
+            raise ValueError(f"a span of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
+        if not len(span):
+            return
+        self.make_room(len(span))
+        start = self.length if at == "end" else self._chronological_index(span)
+        after = self.length - start  # live tokens that move up behind the span
+        order = torch.cat((torch.arange(after, after + len(span)), torch.arange(after)))
+        self._rewrite(start, order, dataclasses.replace(span, meta=self._recalled(span.meta, turn)))
+        self.next_logits = None
+
+    def holds(self, serials: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which of these serials the cache holds now."""
+        return torch.isin(serials, self.meta.serial)
+
     def _check_not_frozen(self, action: str) -> None:
         if self.frozen:
             raise RuntimeError(f"cannot {action} inside a fork: make room before opening it")
+
+    def _chronological_index(self, span: KVSpan) -> int:
+        """Where the span was: before the first live token fed after it. (The cache is in serial order
+        except for spans recalled at the end, which this rule places nothing in front of.)"""
+        later = torch.nonzero(self.meta.serial > span.serials.min()).flatten()
+        return int(later[0]) if later.numel() else self.length
+
+    def _recalled(self, meta: TokenMeta, turn: int) -> TokenMeta:
+        """A span's rows as they come back: recalled at `turn`, importance rescaled so the span's mean is
+        the live cache's. Its inner ranking is kept, but not its level: mass accumulated up to eviction
+        is stale (and low, which is usually why it was evicted) and would get it evicted again at once."""
+        live = float(self.meta.importance.mean()) if len(self.meta) else 0.0
+        mean = float(meta.importance.mean())
+        importance = meta.importance * (live / mean) if mean > 0 else torch.full_like(meta.importance, live)
+        return dataclasses.replace(meta, importance=importance, recalled_at=torch.full_like(meta.recalled_at, turn))
 
     def _rewrite(self, start: int, order: torch.Tensor, span: KVSpan | None = None) -> None:
         """The one way the cache is rearranged: tokens [0, start) stay as they are, the rest becomes
