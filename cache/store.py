@@ -187,9 +187,7 @@ class KVStore(Cache):
             return
         self.make_room(len(span))
         start = self.length if at == "end" else self._chronological_index(span)
-        after = self.length - start  # live tokens that move up behind the span
-        order = torch.cat((torch.arange(after, after + len(span)), torch.arange(after)))
-        self._rewrite(start, order, dataclasses.replace(span, meta=self._recalled(span.meta, turn)))
+        self._rewrite(start, span=dataclasses.replace(span, meta=self._recalled(span.meta, turn)))
         self.next_logits = None
 
     def holds(self, serials: torch.Tensor) -> torch.Tensor:
@@ -215,23 +213,26 @@ class KVStore(Cache):
         importance = meta.importance * (live / mean) if mean > 0 else torch.full_like(meta.importance, live)
         return dataclasses.replace(meta, importance=importance, recalled_at=torch.full_like(meta.recalled_at, turn))
 
-    def _rewrite(self, start: int, order: torch.Tensor, span: KVSpan | None = None) -> None:
-        """The one way the cache is rearranged: tokens [0, start) stay as they are, the rest becomes
-        `order`, indices into (the live tokens from `start` on, then the span's tokens), with keys
+    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | None = None) -> None:
+        """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
+        the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
+        (None: all of them, as they are, which a splice needs and which costs no gather), with keys
         re-rotated to positions start, start+1, ... From 0 it installs through `replace`, so compaction
         really releases what it frees; from later on it truncates and appends, so a splice only moves
         what comes after it (nothing at all before an injection at the end)."""
-        sources = self.meta.select(slice(start, None))
+        moved = self.meta.select(slice(start, None))
         if span is not None:
-            sources = sources.cat(span.meta)
-        moved = sources.select(order)
-        positions = torch.arange(start, start + order.numel())
+            moved = span.meta.cat(moved)
+        if order is not None:
+            moved = moved.select(order)
+        positions = torch.arange(start, start + len(moved))
         delta = positions - moved.position
         shifted, rotation = bool((delta != 0).any()), None
         for i, layer in enumerate(self.layers):
             keys, values = self._sources(i, start, span)
-            device_order = order.to(keys.device)
-            keys, values = keys.index_select(2, device_order), values.index_select(2, device_order)
+            if order is not None:
+                device_order = order.to(keys.device)
+                keys, values = keys.index_select(2, device_order), values.index_select(2, device_order)
             if shifted:
                 rotation = rotation or self.rerotator.rotation(delta, keys.device)
                 keys = self.rerotator.shift(keys, rotation)
@@ -247,22 +248,22 @@ class KVStore(Cache):
 
     def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, kv_heads, tokens, head_dim] keys and values that `_rewrite` picks from, for one layer: the
-        live tokens from `start` on (read only if there are any), then the span's, on the cache's device
-        and in its compute dtype."""
-        pieces = []
+        span's, on the cache's device and in its compute dtype, then the live tokens from `start` on
+        (read only if there are any)."""
+        layer = self.layers[layer_index]
+        live = None
         if start < self.length:
-            keys, values = self.layers[layer_index].storage.fetch()
-            pieces.append((keys[:, :, start:], values[:, :, start:]))
-        if span is not None:
-            keys, values = span.keys[layer_index][None], span.values[layer_index][None]
-            if pieces:
-                keys, values = keys.to(pieces[0][0]), values.to(pieces[0][1])
-            elif self.layers[layer_index].is_initialized:
-                keys, values = keys.to(self.layers[layer_index].device), values.to(self.layers[layer_index].device)
-            pieces.append((keys, values))
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat([k for k, _ in pieces], dim=2), torch.cat([v for _, v in pieces], dim=2)
+            keys, values = layer.storage.fetch()
+            live = keys[:, :, start:], values[:, :, start:]
+        if span is None:
+            return live
+        keys, values = span.keys[layer_index][None], span.values[layer_index][None]
+        if live is not None:
+            keys, values = keys.to(live[0]), values.to(live[1])
+            return torch.cat((keys, live[0]), dim=2), torch.cat((values, live[1]), dim=2)
+        if layer.is_initialized:
+            keys, values = keys.to(layer.device), values.to(layer.device)
+        return keys, values
 
     def _evicted_spans(self, kept: torch.Tensor) -> list[KVSpan]:
         """What keeping `kept` drops, as spans of one stretch of one turn each (adjacent in the cache,
