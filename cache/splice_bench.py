@@ -6,7 +6,10 @@ KV, a 1000-token cache, a 40-token span (one turn), at 1 and 2 threads.
 
 Measures, each from the same restored cache every run: a compaction that evicts the span (no sink, and
 handing it to a sink), and injecting it back at the end and chronologically (where it was, 480 tokens
-in), both with room in the budget and, at the end, into a full hybrid budget that must evict first."""
+in), both with room in the budget and, at the end, into a full hybrid budget that must evict first.
+A restored cache fills its contiguous storage to the next 64-token step, so an injection of 40 makes it
+grow (a copy of the whole cache into fresh memory, which the turn's prefill would pay otherwise);
+`inject_end_within_capacity` is the splice alone, from a cache with room to grow into."""
 
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ def build(model: torch.nn.Module, ids: list[int]) -> KVStore:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     loaded = load_model("embedded", device="cpu", dtype="float32")
@@ -95,20 +99,25 @@ def main() -> None:
     def inject(at: str) -> Callable[[], object]:
         return lambda: store.inject(span, turn=CACHE // SPAN, at=at)
 
-    def under(policy, snapshot: Snapshot, sink: bool = False) -> Callable[[], None]:
+    def under(policy, snapshot: Snapshot, sink: bool = False, room: int = 0) -> Callable[[], None]:
+        """Restore `snapshot` under `policy`, with capacity for `room` more tokens without growing."""
         def prepare() -> None:
             snapshot.restore(store)
+            for layer, (keys, values) in zip(store.layers, snapshot.kv):
+                layer.storage.append(keys[:, :, :room], values[:, :, :room])
+                layer.storage.truncate(len(snapshot.meta))
             store.policy, store.on_evict = policy, (spans.append if sink else None)
             spans.clear()
         return prepare
 
     figures = {"cache_tokens": CACHE, "span_tokens": SPAN, "kv_bytes_span": span.nbytes(), "threads": {}}
-    for threads in (1, 2):
+    for threads in args.threads:
         torch.set_num_threads(threads)
         figures["threads"][threads] = {
             "evict_no_sink": timed(under(unbounded, whole), lambda: store.keep(keep), args.runs),
             "evict_to_sink": timed(under(unbounded, whole, sink=True), lambda: store.keep(keep), args.runs),
             "inject_end": timed(under(unbounded, evicted), inject("end"), args.runs),
+            "inject_end_within_capacity": timed(under(unbounded, evicted, room=2 * SPAN), inject("end"), args.runs),
             "inject_chronological": timed(under(unbounded, evicted), inject("chronological"), args.runs),
             "inject_end_full_hybrid_budget": timed(under(full_budget, evicted, sink=True), inject("end"), args.runs),
         }
