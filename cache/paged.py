@@ -120,9 +120,12 @@ class PagedStorage:
             done += take
             self.length += take
 
-    def update_and_fetch(self, keys, values):
+    def append(self, keys, values):
         self.compute_dtype = keys.dtype
         self._write(keys[0], values[0])
+
+    def update_and_fetch(self, keys, values):
+        self.append(keys, values)
         return self.fetch()
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
@@ -139,8 +142,7 @@ class PagedStorage:
         """Install a compacted sequence: every block goes back to the pool, then the kept tokens are written
         afresh (the free list is LIFO, so mostly into the same blocks)."""
         self.truncate(0)
-        self.compute_dtype = keys.dtype
-        self._write(keys[0], values[0])
+        self.append(keys, values)
 
     def truncate(self, length: int) -> None:
         """Crop to `length` tokens, freeing every block past the last one still used."""

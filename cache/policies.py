@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.store import KVStore, TokenMeta
+from cache.meta import TokenMeta
+from cache.store import KVStore
 
 PINNED, PROMISED = 2e30, 1e30
 MIN_BUDGET = 16
@@ -160,17 +161,25 @@ class HybridConfig:
     """Tier shares of the budget (lent to each other when unused) and how the temporary tier is ranked."""
 
     permanent_share: float = 0.10  # system prompt, profile, summary, pins: never evicted
-    hot_share: float = 0.30  # the last `hot_turns` turns, whole (LRU: the oldest is demoted first)
+    hot_share: float = 0.30  # the last `hot_turns` turns used, whole (LRU: the oldest is demoted first)
     hot_turns: int = 4
     granularity: str = "token"  # temporary tier evicted by "token" or by whole "segment"
     score: str = "mix"  # temporary ranking: "attention" (H2O mass received), "surprisal" (when fed), or "mix" (both)
     context: int = 2  # tokens kept on each side of a kept temporary token, so a fact keeps its frame
 
 
+def last_used(meta: TokenMeta) -> torch.Tensor:
+    """The turn each token last entered the conversation: the turn it was fed at, or the turn it was
+    recalled at from the archive if later. Recall counts as use, so a recalled span is as hot as the
+    turn that asked for it, not as cold as the turn it was first said in."""
+    return torch.maximum(meta.turn, meta.recalled_at)
+
+
 class Hybrid(Policy):
-    """Three tiers: permanent (never evicted), hot (recent whole turns) and temporary (older material
-    ranked by information: attention mass received and/or surprisal when it was fed). Unused share of
-    one tier is lent to the others; pins count against the budget."""
+    """Three tiers: permanent (never evicted), hot (the recently used turns, whole; a turn's tokens
+    recalled from the archive count as used at the turn they were recalled at) and temporary (older
+    material ranked by information: attention mass received and/or surprisal when it was fed). Unused
+    share of one tier is lent to the others; pins count against the budget."""
 
     name = "hybrid"
 
@@ -194,8 +203,9 @@ class Hybrid(Policy):
     def tiers(self, meta: TokenMeta) -> dict[str, torch.Tensor]:
         """Boolean masks: which tokens belong to which tier (before any eviction decision)."""
         permanent = (meta.turn < 0) | meta.pinned
-        recent_turns = torch.unique(meta.turn[~permanent])[-self.hybrid.hot_turns:]
-        hot = torch.isin(meta.turn, recent_turns) & ~permanent
+        used = last_used(meta)
+        recent_turns = torch.unique(used[~permanent])[-self.hybrid.hot_turns:]
+        hot = torch.isin(used, recent_turns) & ~permanent
         return {"permanent": permanent, "hot": hot, "temporary": ~(permanent | hot)}
 
     def scores(self, meta):
@@ -219,10 +229,12 @@ class Hybrid(Policy):
 
     @staticmethod
     def _recent_whole_turns(meta: TokenMeta, hot: torch.Tensor, room: int) -> torch.Tensor:
-        """The newest hot turns that fit whole; if even the newest does not fit, its most recent tokens."""
+        """The most recently used hot turns that fit whole; if even the newest does not fit, its most
+        recent tokens."""
         keep = torch.zeros_like(hot)
-        for turn in torch.unique(meta.turn[hot]).flip(0):
-            members = hot & (meta.turn == turn)
+        used = last_used(meta)
+        for turn in torch.unique(used[hot]).flip(0):
+            members = hot & (used == turn)
             size = int(members.sum())
             if size <= room:
                 keep |= members

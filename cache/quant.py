@@ -207,7 +207,7 @@ class QuantizedStorage:
                 older.append(*newer.read(0, move))
                 newer.keep(move, newer.length)
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.dtype = keys.dtype
         if self.tail_keys is None:
             self.tail_keys, self.tail_values = keys[0].clone(), values[0].clone()
@@ -217,7 +217,7 @@ class QuantizedStorage:
         self._settle()
 
     def update_and_fetch(self, keys, values):
-        self._append(keys, values)
+        self.append(keys, values)
         return self.fetch()
 
     def fetch(self):
@@ -234,7 +234,7 @@ class QuantizedStorage:
             tier.keep(0, 0)
         self.tail_keys = self.tail_values = None
         if keys.shape[2]:
-            self._append(keys, values)
+            self.append(keys, values)
 
     def truncate(self, length: int) -> None:
         """Crop to `length` tokens. Whole groups before the cut stay quantized as they are; the partial

@@ -1,7 +1,8 @@
 """How one layer's keys and values are held. Every storage kind has the same small surface
-(mlx-lm style): `update_and_fetch` appends new tokens and returns all of them in compute precision,
-`replace` installs a compacted (kept, re-rotated) sequence, `truncate` crops back, `nbytes` counts the
-memory really held, and `state`/`from_state` save and restore it."""
+(mlx-lm style): `update_and_fetch` appends new tokens and returns all of them in compute precision
+(`append` only appends: a splice needs nothing back), `replace` installs a compacted (kept,
+re-rotated) sequence, `truncate` crops back, `nbytes` counts the memory really held, and
+`state`/`from_state` save and restore it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class LayerStorage(Protocol):
     length: int
 
     def update_and_fetch(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 
     def fetch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -52,12 +55,15 @@ class ContiguousStorage:
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
 
-    def update_and_fetch(self, keys, values):
+    def append(self, keys, values):
         start, count = self.length, keys.shape[2]
         self._reserve(start + count, keys)
         self.keys[:, :, start : start + count] = keys
         self.values[:, :, start : start + count] = values
         self.length = start + count
+
+    def update_and_fetch(self, keys, values):
+        self.append(keys, values)
         compute = keys.dtype
         return self.keys[:, :, : self.length].to(compute), self.values[:, :, : self.length].to(compute)
 
@@ -68,6 +74,8 @@ class ContiguousStorage:
         """Install a compacted sequence; capacity shrinks to fit so evicted memory is really released."""
         self.keys = self.values = None
         self.length = 0
+        if not keys.shape[2]:  # nothing kept: nothing to allocate
+            return
         self._reserve(keys.shape[2], keys)
         self.keys[:, :, : keys.shape[2]] = keys
         self.values[:, :, : keys.shape[2]] = values

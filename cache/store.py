@@ -8,65 +8,33 @@ Tokens fed by a plain transformers forward are declared on arrival with default 
 Compaction re-rotates the kept keys so positions stay contiguous (0..len-1), which is why a plain causal
 mask is always right and the next token's position is simply `len(store)`.
 
+Long-term memory meets the cache at two points: what a compaction evicts is handed, KV and all, to
+`on_evict` (an archive), and `inject` splices an archived span back in, at the end or where it was, its
+keys re-rotated to where it lands. Every token fed gets a `serial`, its index in the conversation
+stream, which compaction and splicing keep, so the memory side can tell which archived tokens are live.
+
 A fork (`with store.fork():`) feeds tokens only to read their logits (scoring choices, drafting a
 reply) and then rolls back exactly: length, metadata and the next-token logits are restored, nothing is
-recorded and nothing may be evicted meanwhile."""
+recorded and nothing may be evicted or injected meanwhile."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from cache.meta import TokenMeta
 from cache.rope import Rerotator
+from cache.span import KVSpan
 from cache.storage import LayerStorage, StorageConfig
 
 if TYPE_CHECKING:
     from cache.policies import Policy
 
-ROLES = {"system": 0, "user": 1, "assistant": 2}
-
-
-@dataclass
-class TokenMeta:
-    """Column-wise metadata, one entry per cached token, always aligned with the tensors."""
-
-    token: torch.Tensor  # long: token id (-1 when not given), for finding text to pin
-    segment: torch.Tensor  # long: topic segment id
-    turn: torch.Tensor  # long: dialogue turn (-1 = system prompt)
-    role: torch.Tensor  # long: ROLES
-    position: torch.Tensor  # long: RoPE position the key is rotated to
-    pinned: torch.Tensor  # bool: never evicted while pinned
-    importance: torch.Tensor  # float: accumulated attention mass received
-    surprisal: torch.Tensor  # float: -log p(token | what preceded it), its information content when fed
-
-    @classmethod
-    def empty(cls) -> "TokenMeta":
-        long = torch.zeros(0, dtype=torch.long)
-        return cls(long, long, long, long, long, torch.zeros(0, dtype=torch.bool), torch.zeros(0), torch.zeros(0))
-
-    @classmethod
-    def new(cls, count: int, start: int, turn: int, role: str, segment: int,
-            ids: list[int] | None = None) -> "TokenMeta":
-        full = lambda value: torch.full((count,), value, dtype=torch.long)  # noqa: E731
-        tokens = torch.tensor(ids, dtype=torch.long) if ids is not None else full(-1)
-        return cls(tokens, full(segment), full(turn), full(ROLES[role]), torch.arange(start, start + count),
-                   torch.zeros(count, dtype=torch.bool), torch.zeros(count), torch.zeros(count))
-
-    def __len__(self) -> int:
-        return self.turn.numel()
-
-    def cat(self, other: "TokenMeta") -> "TokenMeta":
-        return TokenMeta(*(torch.cat((getattr(self, f.name), getattr(other, f.name))) for f in fields(self)))
-
-    def select(self, index: torch.Tensor) -> "TokenMeta":
-        return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
-
-    def state(self) -> dict:
-        return {f.name: getattr(self, f.name).clone() for f in fields(self)}
+PLACEMENTS = ("end", "chronological")
 
 
 class ManagedLayer(CacheLayerMixin):
@@ -100,7 +68,8 @@ class ManagedLayer(CacheLayerMixin):
 class KVStore(Cache):
     """All layers' KV plus token metadata, under a policy that says what must be recorded (attention
     importance, surprisal) and what to evict. `next_logits` are the logits that predict the next token
-    fed: the one place every caller reads them from."""
+    fed: the one place every caller reads them from. `on_evict`, when set, receives every span a
+    compaction drops (nothing is gathered for it when unset)."""
 
     def __init__(self, num_layers: int, rerotator: Rerotator, policy: "Policy", storage: StorageConfig = StorageConfig()):
         self.storage_config = storage
@@ -109,8 +78,10 @@ class KVStore(Cache):
         self.rerotator = rerotator
         self.policy = policy
         self.meta = TokenMeta.empty()
+        self.next_serial = 0  # serial of the next token fed
         self.next_logits: torch.Tensor | None = None
         self.frozen = False  # inside a fork: nothing recorded, nothing evicted
+        self.on_evict: Callable[[KVSpan], None] | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: "Policy", storage: StorageConfig = StorageConfig()) -> "KVStore":
@@ -138,7 +109,8 @@ class KVStore(Cache):
 
     def expect(self, count: int, turn: int, role: str, segment: int, ids: list[int] | None = None) -> None:
         """Declare the metadata of the next `count` tokens, before the forward that appends them."""
-        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids))
+        self.meta = self.meta.cat(TokenMeta.new(count, len(self.meta), turn, role, segment, ids, self.next_serial))
+        self.next_serial += count
 
     def declare_arrivals(self) -> None:
         """Tokens appended without `expect` (a plain transformers forward) get default metadata: the
@@ -173,40 +145,145 @@ class KVStore(Cache):
         """Feed tokens to read their logits, then roll back exactly (see the module docstring)."""
         if self.frozen:
             raise RuntimeError("a fork of this store is already open")
-        length, next_logits = self.length, self.next_logits
+        length, next_logits, next_serial = self.length, self.next_logits, self.next_serial
         self.frozen = True
         try:
             yield self
         finally:
             self.truncate(length)
-            self.next_logits = next_logits
+            self.next_logits, self.next_serial = next_logits, next_serial
             self.frozen = False
 
-    # --- compaction -------------------------------------------------------------------------------
+    # --- compaction and splicing ------------------------------------------------------------------
     def keep(self, index: torch.Tensor) -> None:
         """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
-        positions become 0..len-1 again."""
-        if self.frozen:
-            raise RuntimeError("cannot evict inside a fork: make room before opening it")
+        positions become 0..len-1 again. The dropped tokens go to `on_evict`, if set, once the cache is
+        compacted."""
+        self._check_not_frozen("evict")
         index = torch.unique(index.to(torch.long).cpu())  # sorted, deduplicated
         if index.numel() == self.length:
             return
-        new_meta = self.meta.select(index)
-        delta = torch.arange(index.numel()) - new_meta.position
-        moved, rotation = bool((delta != 0).any()), None
-        for layer in self.layers:
-            keys, values = layer.storage.fetch()
-            device_index = index.to(keys.device)
-            kept_keys = keys.index_select(2, device_index)
-            if moved:
+        evicted = self._evicted_spans(index) if self.on_evict is not None else []
+        self._rewrite(0, index)
+        for span in evicted:
+            self.on_evict(span)
+
+    def inject(self, span: KVSpan, turn: int, at: str = "end") -> None:
+        """Splice an archived span back in, recalled at `turn`: at the "end" (after the cache, like a note
+        retrieved before the user's next message) or "chronological" (where it was in the conversation by
+        serial order; everything after it moves up by the span's length). The policy first makes room for
+        it, so the budget holds. Keys are re-rotated from the span's positions to where they land; the
+        rows are marked `recalled_at = turn` and their importance rescaled to the live cache's level (see
+        `_recalled`). The cached logits no longer predict the next token, so `next_logits` is cleared:
+        feed something before reading it."""
+        self._check_not_frozen("inject")
+        if at not in PLACEMENTS:
+            raise ValueError(f"unknown placement {at!r}: use one of {', '.join(PLACEMENTS)}")
+        if bool(self.holds(span.serials).any()):
+            raise ValueError("the span holds tokens the cache already has: inject span.select(~store.holds(span.serials))")
+        if self.policy.budget is not None and len(span) > self.policy.budget:
+            raise ValueError(f"a span of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
+        if not len(span):
+            return
+        self.make_room(len(span))
+        start = self.length if at == "end" else self._chronological_index(span)
+        self._rewrite(start, span=dataclasses.replace(span, meta=self._recalled(span.meta, turn)))
+        self.next_logits = None
+
+    def holds(self, serials: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which of these serials the cache holds now."""
+        return torch.isin(serials, self.meta.serial)
+
+    def _check_not_frozen(self, action: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"cannot {action} inside a fork: make room before opening it")
+
+    def _chronological_index(self, span: KVSpan) -> int:
+        """Where the span was: before the first live token fed after it. (The cache is in serial order
+        except for spans recalled at the end, which this rule places nothing in front of.)"""
+        later = torch.nonzero(self.meta.serial > span.serials.min()).flatten()
+        return int(later[0]) if later.numel() else self.length
+
+    def _recalled(self, meta: TokenMeta, turn: int) -> TokenMeta:
+        """A span's rows as they come back: recalled at `turn`, importance rescaled so the span's mean is
+        the live cache's. Its inner ranking is kept, but not its level: mass accumulated up to eviction
+        is stale (and low, which is usually why it was evicted) and would get it evicted again at once."""
+        live = float(self.meta.importance.mean()) if len(self.meta) else 0.0
+        mean = float(meta.importance.mean())
+        importance = meta.importance * (live / mean) if mean > 0 else torch.full_like(meta.importance, live)
+        return dataclasses.replace(meta, importance=importance, recalled_at=torch.full_like(meta.recalled_at, turn))
+
+    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | None = None) -> None:
+        """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
+        the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
+        (None: all of them, as they are, which a splice needs and which costs no gather), with keys
+        re-rotated to positions start, start+1, ... From 0 it installs through `replace`, so compaction
+        really releases what it frees; from later on it truncates and appends, so a splice only moves
+        what comes after it (nothing at all before an injection at the end)."""
+        moved = self.meta.select(slice(start, None))
+        if span is not None:
+            moved = span.meta.cat(moved)
+        if order is not None:
+            moved = moved.select(order)
+        positions = torch.arange(start, start + len(moved))
+        delta = positions - moved.position
+        shifted, rotation = bool((delta != 0).any()), None
+        for i, layer in enumerate(self.layers):
+            keys, values = self._sources(i, start, span)
+            if order is not None:
+                device_order = order.to(keys.device)
+                keys, values = keys.index_select(2, device_order), values.index_select(2, device_order)
+            if shifted:
                 rotation = rotation or self.rerotator.rotation(delta, keys.device)
-                kept_keys = self.rerotator.shift(kept_keys, rotation)
-            layer.storage.replace(kept_keys, values.index_select(2, device_index))
-        new_meta.position = torch.arange(index.numel())
-        self.meta = new_meta
+                keys = self.rerotator.shift(keys, rotation)
+            if start == 0:
+                layer.storage.replace(keys, values)
+            else:
+                layer.storage.truncate(start)
+                layer.storage.append(keys, values)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+        moved.position = positions
+        self.meta = self.meta.select(slice(0, start)).cat(moved)
+
+    def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, kv_heads, tokens, head_dim] keys and values that `_rewrite` picks from, for one layer: the
+        span's, on the cache's device and in its compute dtype, then the live tokens from `start` on
+        (read only if there are any)."""
+        layer = self.layers[layer_index]
+        live = None
+        if start < self.length:
+            keys, values = layer.storage.fetch()
+            live = keys[:, :, start:], values[:, :, start:]
+        if span is None:
+            return live
+        keys, values = span.keys[layer_index][None], span.values[layer_index][None]
+        if live is not None:
+            keys, values = keys.to(live[0]), values.to(live[1])
+            return torch.cat((keys, live[0]), dim=2), torch.cat((values, live[1]), dim=2)
+        if layer.is_initialized:
+            keys, values = keys.to(layer.device), values.to(layer.device)
+        return keys, values
+
+    def _evicted_spans(self, kept: torch.Tensor) -> list[KVSpan]:
+        """What keeping `kept` drops, as spans of one stretch of one turn each (adjacent in the cache,
+        consecutive serials, same turn), with their KV as the cache holds it now."""
+        dropped = torch.ones(self.length, dtype=torch.bool)
+        dropped[kept] = False
+        evicted = torch.nonzero(dropped).flatten()
+        if not evicted.numel():
+            return []
+        serial, turn = self.meta.serial[evicted], self.meta.turn[evicted]
+        breaks = (evicted[1:] != evicted[:-1] + 1) | (serial[1:] != serial[:-1] + 1) | (turn[1:] != turn[:-1])
+        firsts = [0, *(torch.nonzero(breaks).flatten() + 1).tolist()]
+        runs = [(int(evicted[a]), int(evicted[b - 1]) + 1) for a, b in zip(firsts, [*firsts[1:], evicted.numel()])]
+        kv = [layer.storage.fetch() for layer in self.layers]
+        return [KVSpan(self.meta.select(slice(lo, hi)).clone(), [k[0, :, lo:hi].clone() for k, _ in kv],
+                       [v[0, :, lo:hi].clone() for _, v in kv]) for lo, hi in runs]
 
     def truncate(self, length: int) -> None:
-        """Crop back to the first `length` tokens."""
+        """Crop back to the first `length` tokens. Not an eviction (nothing goes to `on_evict`): a fork
+        rolls back tokens that never became part of the conversation."""
         for layer in self.layers:
             layer.storage.truncate(length)
         self.meta = self.meta.select(slice(0, length))
