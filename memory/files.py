@@ -36,6 +36,7 @@ def atomic_write(path: Path, data: bytes | memoryview, sync: bool = True) -> Non
 
 
 def fsync_file(path: Path) -> None:
+    """Persist a file's contents, or (for a directory) the renames and unlinks in it."""
     handle = os.open(path, os.O_RDONLY)
     try:
         os.fsync(handle)
@@ -43,13 +44,7 @@ def fsync_file(path: Path) -> None:
         os.close(handle)
 
 
-def fsync_dir(directory: Path) -> None:
-    """Persist renames and unlinks in `directory`."""
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+fsync_dir = fsync_file
 
 
 def read_file(path: Path) -> bytes:
