@@ -42,6 +42,8 @@ def chat(
     kv_dtype: str = typer.Option("float32", "--kv-dtype", help="float32, bfloat16, float16, int8, int4, fp8 or dynamic."),
     paged: bool = typer.Option(False, "--paged", help="Hold KV in 16-token blocks from a pool (float kv dtypes)."),
     topics: bool = typer.Option(True, "--topics/--no-topics", help="Track topics (new / continue / return) per turn."),
+    memory: bool = typer.Option(True, "--memory/--no-memory",
+                                help="Archive evicted KV and re-inject it when its topic or an entity returns."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -50,10 +52,12 @@ def chat(
     from agent import Agent, AgentConfig, SamplingConfig
     from cache.policies import Budget
     from cache.storage import StorageConfig
+    from memory.recall import MemoryConfig
 
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
                          budget_tokens=Budget.parse(budget).tokens(), system=system,
                          storage=StorageConfig(kv_dtype, paged=paged), topics=topics,
+                         memory=MemoryConfig() if memory else None,
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()
@@ -117,7 +121,9 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
 def eval_(
     files: list[str] = typer.Argument(..., help="Dialogue files (.json/.jsonl) or directories of them."),
     policy: str = typer.Option("full,window,sink,h2o,hybrid,reprefill",
-                               help="Comma-separated: full, window, sink, h2o, hybrid, reprefill."),
+                               help="Comma-separated: full, window, sink, h2o, hybrid, reprefill; "
+                               "window+memory, sink+memory, h2o+memory, hybrid+memory add long-term memory "
+                               "(+memory-text: recalled turns re-prefilled as text, the baseline)."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Dtype the KV cache is stored in (auto: the model's)."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),
@@ -127,6 +133,12 @@ def eval_(
     limit: Optional[int] = typer.Option(None, min=1, help="Evaluate only the first N dialogues."),
     workers: int = typer.Option(0, min=0, help="Worker processes, each with its own dialogues (0: one per CPU core, "
                                 "at most 8; 1 on a GPU). Timings are per worker."),
+    memory_placement: str = typer.Option("end", "--memory-placement",
+                                         help="+memory: where re-injected KV goes: end (before the user's "
+                                         "words) or chronological."),
+    memory_unit: str = typer.Option("message", "--memory-unit",
+                                    help="+memory: what an evicted stretch is embedded as, message or span."),
+    memory_share: float = typer.Option(0.25, "--memory-share", help="+memory: most of the budget one recall re-injects."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX; "
@@ -144,18 +156,20 @@ def eval_(
     from agent.eval.report import plot, table
     from agent.eval.workers import ModelSpec, WorkerPool, default_workers
     from cache.policies import Budget
+    from memory.recall import MemoryConfig
 
     make_parents(json_path, plot_path)  # before the run, not after it
     dialogues = load_dialogues(files)[:limit]
     config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
-                        kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id)
+                        kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id,
+                        memory=MemoryConfig(share=memory_share, placement=memory_placement, unit=memory_unit))
     loaded = load_model(model, device, dtype)
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None
     columns = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
         result = evaluate(loaded, dialogues, config, progress, pool)
-    Console().print(table(result))
+    Console(width=None if sys.stdout.isatty() else 200).print(table(result))  # piped: no truncated columns
     if json_path:
         with open(json_path, "w", encoding="utf-8") as out:
             json.dump(result.to_json(), out, indent=1)

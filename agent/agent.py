@@ -1,11 +1,12 @@
 """The Agent: one object that owns a model, a managed KV store and a cache policy, and runs turns.
 
 A turn reads as observe -> recall -> prefill -> decode -> remember:
-- observe: number the turn and assign its segment (the topic classifier plugs in here);
-- recall: bring back archived history (the long-term store plugs in here);
+- observe: number the turn, embed it, and assign its segment (the topic classifier's decision);
+- recall: bring back archived history the turn needs, as KV (memory/recall.py), when memory is on;
 - prefill: the user's words and the assistant header, evicting as needed;
 - decode: stream the reply;
-- remember: pre-warm the next turn's fixed header so its time to first token covers only the user's words.
+- remember: pre-warm the next turn's fixed header so its time to first token covers only the user's words,
+  and archive what this turn evicted (embedding included), off the next turn's clock.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from agent.chat_format import ChatFormat
@@ -23,6 +25,7 @@ from agent.scoring import score_together
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
+from memory.recall import LongTermMemory, MemoryConfig, Recalled
 
 
 @dataclass
@@ -39,6 +42,7 @@ class AgentConfig:
     system: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     topics: bool = False  # classify each turn's topic (classifiers/topics.py); segments become topics
+    memory: MemoryConfig | None = None  # archive evicted KV and recall it (memory/recall.py); None: off
 
 
 @dataclass
@@ -51,6 +55,8 @@ class Turn:
     segment: int
     topic: str | None = None  # "new", "continue" or "return:<k>"
     reply: str | None = None
+    embedding: np.ndarray | None = None  # the user's words (all-MiniLM-L6-v2), when topics or memory need it
+    recalled: list[Recalled] = field(default_factory=list)  # archived turns re-injected before this one
 
 
 @dataclass
@@ -81,11 +87,15 @@ class Agent:
             self.config.policy, PolicyConfig(budget=self.config.budget_tokens, sink_tokens=self.config.sink_tokens),
             self.config.hybrid,
         )
-        self.topic_model = self.embedder = None
-        if self.config.topics:
-            from classifiers.topics import TopicModel, load_embedder
+        self.topic_model = self.embedder = self.memory = None
+        if self.config.topics or self.config.memory is not None:
+            from memory.embedder import shared_embedder
 
-            self.topic_model, self.embedder = TopicModel.load(), load_embedder()
+            self.embedder = shared_embedder()
+        if self.config.topics:
+            from classifiers.topics import TopicModel
+
+            self.topic_model = TopicModel.shared()
         self.reset()
 
     @classmethod
@@ -104,7 +114,11 @@ class Agent:
         if self.topic_model is not None:
             from classifiers.topics import TopicTracker
 
-            self.tracker = TopicTracker(self.topic_model, self.embedder)
+            self.tracker = TopicTracker(self.topic_model, self.embedder.model)
+        if self.memory is not None:
+            self.memory.close()
+        self.memory = None if self.config.memory is None else LongTermMemory(
+            self.store, self.embedder, self.format.decode, self.config.memory, self._feed_note)
         self.turn_index = 0
         self.timing = TurnTiming()
         system = Feed(self.store, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
@@ -141,18 +155,32 @@ class Agent:
         return "".join(self.stream(text))
 
     def observe(self, text: str) -> Turn:
-        """Number the turn and choose its segment: with topics tracked, the topic classifier says whether
-        the user opens a new topic, continues, or returns to an earlier one, and the turn joins that
-        topic's segment; otherwise each turn is its own segment."""
+        """Number the turn, embed it once when topics or memory need it (both share the vector), and
+        choose its segment: with topics tracked, the classifier says whether the user opens a new topic,
+        continues, or returns to an earlier one, and the turn joins that topic's segment; otherwise each
+        turn is its own segment."""
         turn = Turn(self.turn_index, text, segment=self.turn_index)
+        if self.memory is not None:
+            turn.embedding = self.memory.embed_turn(text)
+        elif self.embedder is not None:
+            turn.embedding = self.embedder.embed(text)[0]
         if self.tracker is not None:
-            decision = self.tracker.observe(text)
+            decision = self.tracker.observe(text, embedding=turn.embedding)
             turn.segment, turn.topic = decision.topic_turn, decision.label
+        if self.memory is not None:
+            self.memory.messages[(turn.index, "user")] = text
         self.turn_index += 1
         return turn
 
     def recall(self, turn: Turn) -> None:
-        """Re-inject archived history relevant to this turn. No long-term store is attached yet."""
+        """With memory on: re-inject the archived turns this one names an entity of, returns to the topic
+        of, or resembles (memory/recall.py), within the memory's share of the budget."""
+        if self.memory is None:
+            return
+        from classifiers.topics import analyse
+
+        returns_to = int(turn.topic.split(":")[1]) if turn.topic and turn.topic.startswith("return:") else None
+        turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to)
 
     def prefill(self, turn: Turn) -> None:
         """Feed the user's words and the assistant header; the store's next-token logits then start the reply."""
@@ -163,12 +191,27 @@ class Agent:
         `reply`: a reply's text to feed as history first (teacher forcing), when decode did not feed it."""
         prefill_packed(self.model, [self.reply_feed(turn, reply)])
         self.note_reply(turn, reply)
+        self.settle()
 
     def note_reply(self, turn: Turn, reply: str | None) -> None:
-        """The reply joins the turn's topic (callers that feed `reply_feed` themselves call this too)."""
+        """The reply joins the turn's topic and is what its evicted stretches are archived as (callers
+        that feed `reply_feed` themselves call this too)."""
         turn.reply = reply if reply is not None else turn.reply
-        if self.tracker is not None and turn.reply:
-            self.tracker.reply(turn.reply)
+        if not turn.reply:
+            return
+        if self.tracker is not None:
+            self.tracker.reply(turn.reply, embedding=self.embedder.embed(turn.reply)[0])
+        if self.memory is not None:
+            self.memory.messages[(turn.index, "assistant")] = turn.reply
+
+    def settle(self) -> None:
+        """Archive what the turn's feeds evicted (callers that feed themselves call this after)."""
+        if self.memory is not None:
+            self.memory.settle()
+
+    def _feed_note(self, ids: list[int], turn: int) -> None:
+        """Re-prefill recalled tokens as text (the memory's "text" baseline), as part of the user's turn."""
+        prefill_packed(self.model, [Feed(self.store, turn, turn).add(ids, "user")])
 
     def user_feed(self, turn: Turn) -> Feed:
         """What `prefill` feeds: the user's message and the assistant header."""
@@ -223,6 +266,7 @@ class Agent:
             **({"topic": self.tracker.current_topic,
                 "topic_stack": sorted(self.tracker.topics, key=lambda k: -self.tracker.topics[k].last)[:5]}
                if self.tracker is not None and self.tracker.turns else {}),
+            **({"memory": self.memory.stats()} if self.memory is not None else {}),
             "ttft_ms": round(self.timing.ttft_ms, 2),
             "decode_tok_s": round(self.timing.decode_tok_s, 2),
         }

@@ -101,12 +101,17 @@ class Policy:
         priority[meta.pinned] = PINNED
         return torch.topk(priority, k=min(target, len(meta))).indices.sort().values
 
+    def room_for(self, meta: TokenMeta, incoming: int) -> torch.Tensor | None:
+        """The tokens to keep so that `incoming` more fit within the budget; None if they fit already."""
+        if self.budget is None or len(meta) + incoming <= self.budget:
+            return None
+        return self.select(meta, max(0, self.budget - incoming - self.slack))
+
     def make_room(self, store: KVStore, incoming: int) -> None:
         """Evict so that `incoming` more tokens fit within the budget."""
-        if self.budget is None or store.length + incoming <= self.budget:
-            return
-        target = max(0, self.budget - incoming - self.slack)
-        store.keep(self.select(store.meta, target))
+        kept = self.room_for(store.meta, incoming)
+        if kept is not None:
+            store.keep(kept)
 
     def max_chunk(self) -> int | None:
         """Largest prefill chunk that still leaves room for what the policy promises."""

@@ -26,8 +26,9 @@ class KVSpan:
         if not self.keys or len(self.keys) != len(self.values):
             raise ValueError(f"a span needs the same number of key and value layers (>= 1), got {len(self.keys)} "
                              f"and {len(self.values)}")
+        count = len(self.meta)
         for name, layers in (("keys", self.keys), ("values", self.values)):
-            if any(t.dim() != 3 or t.shape[1] != len(self.meta) for t in layers):
+            if any(t.dim() != 3 or t.shape[1] != count for t in layers):
                 shapes = sorted({tuple(t.shape) for t in layers})
                 raise ValueError(f"{name} must be [kv_heads, {len(self.meta)}, head_dim] in every layer, got {shapes}")
 
@@ -42,6 +43,18 @@ class KVSpan:
     @property
     def serials(self) -> torch.Tensor:
         return self.meta.serial
+
+    @classmethod
+    def cat(cls, spans: list["KVSpan"]) -> "KVSpan":
+        """One span of these spans' tokens, in the order given (a single span: itself)."""
+        if len(spans) == 1:
+            return spans[0]
+        meta = spans[0].meta
+        for span in spans[1:]:
+            meta = meta.cat(span.meta)
+        layers = range(len(spans[0].keys))
+        return cls(meta, [torch.cat([span.keys[i] for span in spans], dim=1) for i in layers],
+                   [torch.cat([span.values[i] for span in spans], dim=1) for i in layers])
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSpan":
         """The same span with its KV on `device` in `dtype` (each None: unchanged); metadata stays on the CPU."""

@@ -9,9 +9,10 @@ Compaction re-rotates the kept keys so positions stay contiguous (0..len-1), whi
 mask is always right and the next token's position is simply `len(store)`.
 
 Long-term memory meets the cache at two points: what a compaction evicts is handed, KV and all, to
-`on_evict` (an archive), and `inject` splices an archived span back in, at the end or where it was, its
-keys re-rotated to where it lands. Every token fed gets a `serial`, its index in the conversation
-stream, which compaction and splicing keep, so the memory side can tell which archived tokens are live.
+`on_evict` (an archive), one span per message, and `inject` splices archived spans back in, at the end
+or where they were, their keys re-rotated to where they land. Every token fed gets a `serial`, its index
+in the conversation stream, which compaction and splicing keep, so the memory side can tell which
+archived tokens are live.
 
 A fork (`with store.fork():`) feeds tokens only to read their logits (scoring choices, drafting a
 reply) and then rolls back exactly: length, metadata and the next-token logits are restored, nothing is
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from cache.meta import TokenMeta
+from cache.meta import ROLES, TokenMeta
 from cache.rope import Rerotator
 from cache.span import KVSpan
 from cache.storage import LayerStorage, StorageConfig
@@ -168,27 +169,57 @@ class KVStore(Cache):
         for span in evicted:
             self.on_evict(span)
 
-    def inject(self, span: KVSpan, turn: int, at: str = "end") -> None:
-        """Splice an archived span back in, recalled at `turn`: at the "end" (after the cache, like a note
-        retrieved before the user's next message) or "chronological" (where it was in the conversation by
-        serial order; everything after it moves up by the span's length). The policy first makes room for
-        it, so the budget holds. Keys are re-rotated from the span's positions to where they land; the
-        rows are marked `recalled_at = turn` and their importance rescaled to the live cache's level (see
-        `_recalled`). The cached logits no longer predict the next token, so `next_logits` is cleared:
-        feed something before reading it."""
+    @torch.inference_mode()  # the storage was filled by forwards in inference mode
+    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end") -> None:
+        """Splice archived spans back in, recalled at `turn`, in one rewrite: at the "end" (after the
+        cache, like a note retrieved before the user's next message, in the order given) or
+        "chronological" (each token where it was in the conversation by serial order; everything after
+        the earliest one moves up). The policy first makes room for them all, so the budget holds. Keys
+        are re-rotated from the spans' positions to where they land; the rows are marked
+        `recalled_at = turn` and their importance rescaled to the live cache's level (see `_recalled`).
+        The cached logits no longer predict the next token, so `next_logits` is cleared: feed something
+        before reading it."""
         self._check_not_frozen("inject")
         if at not in PLACEMENTS:
             raise ValueError(f"unknown placement {at!r}: use one of {', '.join(PLACEMENTS)}")
-        if bool(self.holds(span.serials).any()):
-            raise ValueError("the span holds tokens the cache already has: inject span.select(~store.holds(span.serials))")
-        if self.policy.budget is not None and len(span) > self.policy.budget:
-            raise ValueError(f"a span of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
-        if not len(span):
+        spans = [spans] if isinstance(spans, KVSpan) else [span for span in spans if len(span)]
+        if not spans:
             return
-        self.make_room(len(span))
-        start = self.length if at == "end" else self._chronological_index(span)
-        self._rewrite(start, span=dataclasses.replace(span, meta=self._recalled(span.meta, turn)))
+        span = KVSpan.cat(spans)
+        if bool(self.holds(span.serials).any()) or span.serials.unique().numel() != len(span):
+            raise ValueError("the spans repeat tokens or hold tokens the cache already has: "
+                             "inject span.select(~store.holds(span.serials))")
+        if self.policy.budget is not None and len(span) > self.policy.budget:
+            raise ValueError(f"spans of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
+        span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
+        kept = self.policy.room_for(self.meta, len(span))
+        if kept is not None:  # make room and splice in one rewrite of the whole cache
+            kept = torch.unique(kept.to(torch.long).cpu())
+            evicted = self._evicted_spans(kept) if self.on_evict is not None else []
+            ours, live = torch.arange(len(span)), kept + len(span)
+            order = torch.cat((live, ours) if at == "end" else (ours, live))
+            if at == "chronological":
+                order = order[torch.argsort(torch.cat((span.serials, self.meta.serial))[order], stable=True)]
+            self._rewrite(0, order=order, span=span)
+            for dropped in evicted:
+                self.on_evict(dropped)
+        elif at == "end":
+            self._rewrite(self.length, span=span)
+        else:  # the tail from the earliest insertion point, span and live tokens merged by serial
+            start = self._chronological_index(span)
+            serials = torch.cat((span.serials, self.meta.serial[start:]))
+            order = None if bool((serials[1:] > serials[:-1]).all()) else torch.argsort(serials, stable=True)
+            self._rewrite(start, order=order, span=span)
         self.next_logits = None
+
+    def mark_recalled(self, original: TokenMeta, turn: int) -> None:
+        """The last len(original) tokens re-encode these archived tokens (recalled as text, not KV): they
+        take back their serials, turns and segments and are marked recalled at `turn`, so they are
+        neither archived again nor recalled twice."""
+        rows = slice(self.length - len(original), self.length)
+        for column in ("serial", "turn", "segment"):
+            getattr(self.meta, column)[rows] = getattr(original, column)
+        self.meta.recalled_at[rows] = turn
 
     def holds(self, serials: torch.Tensor) -> torch.Tensor:
         """Bool mask: which of these serials the cache holds now."""
@@ -199,8 +230,9 @@ class KVStore(Cache):
             raise RuntimeError(f"cannot {action} inside a fork: make room before opening it")
 
     def _chronological_index(self, span: KVSpan) -> int:
-        """Where the span was: before the first live token fed after it. (The cache is in serial order
-        except for spans recalled at the end, which this rule places nothing in front of.)"""
+        """Where the span's earliest token was: before the first live token fed after it. (The cache is in
+        serial order except for spans recalled at the end; a chronological splice after them sorts the
+        tail it rewrites back into serial order.)"""
         later = torch.nonzero(self.meta.serial > span.serials.min()).flatten()
         return int(later[0]) if later.numel() else self.length
 
@@ -252,7 +284,7 @@ class KVStore(Cache):
         (read only if there are any)."""
         layer = self.layers[layer_index]
         live = None
-        if start < self.length:
+        if start < layer.storage.length:  # its own length: layer 0 is rewritten first
             keys, values = layer.storage.fetch()
             live = keys[:, :, start:], values[:, :, start:]
         if span is None:
@@ -266,20 +298,25 @@ class KVStore(Cache):
         return keys, values
 
     def _evicted_spans(self, kept: torch.Tensor) -> list[KVSpan]:
-        """What keeping `kept` drops, as spans of one stretch of one turn each (adjacent in the cache,
-        consecutive serials, same turn), with their KV as the cache holds it now."""
+        """What keeping `kept` drops, as one span per message (turn and role) it came from, messages in
+        dialogue order and tokens in cache order, with the KV as the cache holds it now. A span need not
+        be contiguous: token-level policies evict a message piecemeal, and its serials say where each
+        token was."""
         dropped = torch.ones(self.length, dtype=torch.bool)
         dropped[kept] = False
         evicted = torch.nonzero(dropped).flatten()
         if not evicted.numel():
             return []
-        serial, turn = self.meta.serial[evicted], self.meta.turn[evicted]
-        breaks = (evicted[1:] != evicted[:-1] + 1) | (serial[1:] != serial[:-1] + 1) | (turn[1:] != turn[:-1])
-        firsts = [0, *(torch.nonzero(breaks).flatten() + 1).tolist()]
-        runs = [(int(evicted[a]), int(evicted[b - 1]) + 1) for a, b in zip(firsts, [*firsts[1:], evicted.numel()])]
+        message = self.meta.turn[evicted] * len(ROLES) + self.meta.role[evicted]
+        _, group = torch.unique(message, return_inverse=True)
+        evicted = evicted[torch.argsort(group, stable=True)]  # grouped by message, cache order within
+        sizes = torch.bincount(group).tolist()
         kv = [layer.storage.fetch() for layer in self.layers]
-        return [KVSpan(self.meta.select(slice(lo, hi)).clone(), [k[0, :, lo:hi].clone() for k, _ in kv],
-                       [v[0, :, lo:hi].clone() for _, v in kv]) for lo, hi in runs]
+        gathered = [(k[0].index_select(1, evicted.to(k.device)).split(sizes, dim=1),
+                     v[0].index_select(1, evicted.to(v.device)).split(sizes, dim=1)) for k, v in kv]
+        firsts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+        return [KVSpan(self.meta.select(evicted[a:a + size]), [keys[i] for keys, _ in gathered],
+                       [values[i] for _, values in gathered]) for i, (a, size) in enumerate(zip(firsts, sizes))]
 
     def truncate(self, length: int) -> None:
         """Crop back to the first `length` tokens. Not an eviction (nothing goes to `on_evict`): a fork

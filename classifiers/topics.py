@@ -417,6 +417,17 @@ class TopicModel:
         return model
 
 
+    @classmethod
+    def shared(cls) -> "TopicModel":
+        """The shipped model, read once per process (agents only read it)."""
+        return _shipped_model()
+
+
+@lru_cache(maxsize=None)
+def _shipped_model() -> TopicModel:
+    return TopicModel.load()
+
+
 MODEL_FORMAT = "memory-palace topic model"
 
 

@@ -34,7 +34,7 @@ from memory.index import IndexConfig, VectorIndex
 from memory.segment import Record, Segment
 from memory.tiers import KVTiers
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-token serials
 DB_NAME, INDEX_NAME, KV_DIR = "archive.sqlite", "index.faiss", "kv"
 
 SCHEMA = """
@@ -53,6 +53,7 @@ CREATE TABLE segments (
     positions BLOB NOT NULL,    -- int64
     importance BLOB NOT NULL,   -- float32
     surprisal BLOB NOT NULL,    -- float32
+    serials BLOB NOT NULL,      -- int64: each token's index in the conversation stream
     dtype TEXT NOT NULL,        -- KV dtype as added: what get() returns by default
     codec TEXT NOT NULL,        -- how the KV is stored: float | int8
     embedding BLOB NOT NULL,    -- float32, to rebuild the index
@@ -146,11 +147,11 @@ class Archive:
         vector = np.asarray(embedding, dtype=np.float32).reshape(-1)
         payload = codec.encode(segment.keys, segment.values, self.config.kv_codec)
         cursor = self._db.execute(
-            f"INSERT INTO segments ({METADATA_COLUMNS}, tokens, positions, importance, surprisal, dtype, codec, embedding)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO segments ({METADATA_COLUMNS}, tokens, positions, importance, surprisal, serials, dtype, codec,"
+            " embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (segment.user_id, segment.session_id, segment.kind, segment.role, segment.turn, segment.topic,
              segment.text, segment.n_tokens, _blob(segment.tokens, "<i8"), _blob(segment.positions, "<i8"),
-             _blob(segment.importance, "<f4"), _blob(segment.surprisal, "<f4"),
+             _blob(segment.importance, "<f4"), _blob(segment.surprisal, "<f4"), _blob(segment.serials, "<i8"),
              str(segment.keys[0].dtype).removeprefix("torch."), self.config.kv_codec, vector.astype("<f4").tobytes()))
         segment_id = cursor.lastrowid
         try:
@@ -168,20 +169,21 @@ class Archive:
         """The segment with its KV in `dtype` (default: the dtype it was added in; int8 is dequantized),
         every tensor on `device`. KeyError if there is no such segment."""
         row = self._db.execute(
-            f"SELECT {RECORD_COLUMNS}, tokens, positions, importance, surprisal, dtype, codec FROM segments WHERE id = ?",
+            f"SELECT {RECORD_COLUMNS}, tokens, positions, importance, surprisal, serials, dtype, codec FROM segments"
+            " WHERE id = ?",
             (segment_id,)).fetchone()
         if row is None:
             raise KeyError(segment_id)
         payload, shared = self._tiers.get(segment_id)
         try:
-            keys, values = codec.decode(payload, row[14], dtype or getattr(torch, row[13]), device, copy=shared)
+            keys, values = codec.decode(payload, row[15], dtype or getattr(torch, row[14]), device, copy=shared)
         except KeyError as error:
-            raise ArchiveError(self._tiers.path(segment_id), f"holds no {error} tensor for {row[14]} KV") from error
+            raise ArchiveError(self._tiers.path(segment_id), f"holds no {error} tensor for {row[15]} KV") from error
         return Segment(
             user_id=row[1], session_id=row[2], kind=row[3], role=row[4], turn=row[5], topic=row[6], text=row[7],
             tokens=np.frombuffer(row[9], dtype="<i8").tolist(), positions=_tensor(row[10], "<i8", device),
             keys=keys, values=values, importance=_tensor(row[11], "<f4", device),
-            surprisal=_tensor(row[12], "<f4", device), id=row[0])
+            surprisal=_tensor(row[12], "<f4", device), serials=_tensor(row[13], "<i8", device), id=row[0])
 
     def record(self, segment_id: int) -> Record:
         """A segment's metadata without reading its KV; KeyError if there is no such segment."""
@@ -189,6 +191,14 @@ class Archive:
         if row is None:
             raise KeyError(segment_id)
         return Record(*row)
+
+    def serials(self, segment_id: int) -> torch.Tensor:
+        """A segment's token serials without reading its KV (which of them a live cache still holds
+        decides whether it is worth reading); KeyError if there is no such segment."""
+        row = self._db.execute("SELECT serials FROM segments WHERE id = ?", (segment_id,)).fetchone()
+        if row is None:
+            raise KeyError(segment_id)
+        return _tensor(row[0], "<i8", "cpu")
 
     def search(self, query_embedding: np.ndarray, user_id: str, session_id: str, k: int = 5,
                threshold: float | None = None) -> list[tuple[int, float]]:

@@ -106,7 +106,8 @@ def kv_segment(seed: int) -> Segment:
     keys = [torch.randn(HEADS, TOKENS, DIM, generator=generator) * scales for _ in range(LAYERS)]
     values = [torch.randn(HEADS, TOKENS, DIM, generator=generator) for _ in range(LAYERS)]
     return Segment("user", "session", list(range(TOKENS)), f"segment {seed}", seed, "user", 0,
-                   torch.arange(TOKENS), keys, values, torch.rand(TOKENS), torch.rand(TOKENS))
+                   torch.arange(TOKENS), keys, values, torch.rand(TOKENS), torch.rand(TOKENS),
+                   torch.arange(TOKENS) + TOKENS * seed)
 
 
 def bench_archive(count: int) -> dict:

@@ -6,6 +6,7 @@ turn's embedding costs several milliseconds on CPU while a cache hit costs micro
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,12 @@ class Embedder:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._hits, self._misses, len(self._cache))
+
+
+@functools.cache
+def shared_embedder() -> Embedder:
+    """One Embedder per process: agents share the model and the text cache (loading takes seconds)."""
+    return Embedder()
 
 
 def bundled_model_path() -> Path:

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.meta import NOT_RECALLED, ROLES, TokenMeta
+from cache.span import KVSpan
+
+ROLE_NAMES = {code: name for name, code in ROLES.items()}
+
 
 @dataclass
 class Segment:
@@ -27,6 +32,7 @@ class Segment:
     values: list[torch.Tensor]
     importance: torch.Tensor  # float [n_tokens]: accumulated attention mass
     surprisal: torch.Tensor  # float [n_tokens]: -log p(token | prefix)
+    serials: torch.Tensor  # long [n_tokens]: index of each token in the conversation stream (cache/meta.py)
     kind: str = "turn"  # "turn", "summary", ...
     id: int | None = None
 
@@ -45,11 +51,12 @@ class Segment:
                 raise ValueError(f"{name} must be [kv_heads, {count}, head_dim] in every layer, got {sorted(shapes)}")
             if not all(t.is_floating_point() for t in layers):
                 raise ValueError(f"{name} must be floating point")
-        for name in ("positions", "importance", "surprisal"):
+        for name in ("positions", "importance", "surprisal", "serials"):
             if tuple(getattr(self, name).shape) != (count,):
                 raise ValueError(f"{name} must have shape ({count},), got {tuple(getattr(self, name).shape)}")
-        if self.positions.dtype != torch.long:
-            raise ValueError(f"positions must be long, got {self.positions.dtype}")
+        for name in ("positions", "serials"):
+            if getattr(self, name).dtype != torch.long:
+                raise ValueError(f"{name} must be long, got {getattr(self, name).dtype}")
         if not (self.importance.is_floating_point() and self.surprisal.is_floating_point()):
             raise ValueError("importance and surprisal must be float tensors")
 
@@ -60,6 +67,24 @@ class Segment:
     @property
     def n_layers(self) -> int:
         return len(self.keys)
+
+    @classmethod
+    def from_span(cls, span: KVSpan, user_id: str, session_id: str, text: str, kind: str = "turn") -> "Segment":
+        """An evicted span as an archive segment (a span holds one turn and one role: cache/store.py)."""
+        meta = span.meta
+        return cls(user_id, session_id, meta.token.tolist(), text, int(meta.turn[0]), ROLE_NAMES[int(meta.role[0])],
+                   int(meta.segment[0]), meta.position.clone(), list(span.keys), list(span.values),
+                   meta.importance.clone(), meta.surprisal.clone(), meta.serial.clone(), kind)
+
+    def to_span(self) -> KVSpan:
+        """The segment as a span to splice into a live cache (`KVStore.inject`); not pinned, not yet recalled."""
+        count = self.n_tokens
+        full = lambda value: torch.full((count,), value, dtype=torch.long)  # noqa: E731
+        meta = TokenMeta(torch.tensor(self.tokens, dtype=torch.long), full(self.topic), full(self.turn),
+                         full(ROLES[self.role]), self.positions.cpu(), torch.zeros(count, dtype=torch.bool),
+                         self.importance.cpu().float(), self.surprisal.cpu().float(), self.serials.cpu(),
+                         full(NOT_RECALLED))
+        return KVSpan(meta, list(self.keys), list(self.values))
 
 
 @dataclass(frozen=True)

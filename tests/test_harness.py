@@ -19,6 +19,7 @@ from agent.eval.workers import ModelSpec, WorkerPool
 from agent.model import load_model
 from agent.scoring import score_together
 from cache.policies import Budget
+from memory.recall import REASONS, MemoryConfig
 from tests.helpers import ask, teacher_force
 
 FIXTURE = Path(__file__).parent / "fixtures" / "harness_dialogue.jsonl"
@@ -58,6 +59,22 @@ def test_window_loses_the_evidence_and_stays_in_budget(result):
     assert window.summary(result.full_kv_bytes_peak)["evidence_retention"] == 0.0
     assert max(sample.kv_tokens for sample in window.turns) <= WINDOW
     assert window.kv_bytes_peak < run_of(result, "full").kv_bytes_peak
+
+
+def test_memory_brings_the_evidence_back_and_records_why(loaded, dialogues):
+    """window+memory under the same tiny window: "What was my order number again?" re-injects turn 0
+    (similar to it), the record says so, the evidence is in the cache when scored and the probe is
+    answered; the budget holds. ("And what is my name?" resembles turn 0 too little: cosine 0.29.)"""
+    config = EvalConfig(["window", "window+memory"], Budget(WINDOW, percent=False), memory=MemoryConfig(share=1.0))
+    memory = run_of(evaluate(loaded, dialogues, config), "window+memory")
+    first = memory.probes[0]
+    assert [(r["turn"], r["reason"]) for r in first.recalled][:1] == [(0, "similar")] and first.recalled[0]["tokens"] > 0
+    assert first.evidence_retention > 0.5 and first.correct
+    assert all(r["reason"] in REASONS for p in memory.probes for r in p.recalled)
+    assert all(t.memory_ms is not None and t.kv_tokens <= WINDOW for t in memory.turns)
+    assert sum(t.reinjected for t in memory.turns if t.turn in (10, 11)) > 0
+    summary = memory.summary(memory.kv_bytes_peak)
+    assert summary["memory_ms_p95"] >= summary["memory_ms_p50"] > 0 and summary["reinjected_per_turn"] > 0
 
 
 def test_residency_map_matches_the_token_layout(result, dialogues):

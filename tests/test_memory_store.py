@@ -54,7 +54,7 @@ def segment(seed: int = 0, tokens: int = 8, layers: int = 2, user: str = "alice"
     values = [torch.randn(HEADS, tokens, DIM, generator=generator).to(dtype) for _ in range(layers)]
     return Segment(user, session, list(range(seed, seed + tokens)), text, turn, "user", topic,
                    torch.arange(tokens) + 100 * seed, keys, values, torch.rand(tokens, generator=generator),
-                   torch.rand(tokens, generator=generator), kind=kind)
+                   torch.rand(tokens, generator=generator), torch.arange(tokens) + 1000 * seed, kind=kind)
 
 
 def unit(rng: np.random.Generator, count: int, dim: int = 384) -> np.ndarray:
@@ -72,6 +72,7 @@ def same_segment(got: Segment, want: Segment) -> bool:
     return (all(torch.equal(a, b) for a, b in zip(got.keys + got.values, want.keys + want.values))
             and got.tokens == want.tokens and torch.equal(got.positions, want.positions)
             and torch.equal(got.importance, want.importance) and torch.equal(got.surprisal, want.surprisal)
+            and torch.equal(got.serials, want.serials)
             and (got.text, got.turn, got.topic, got.kind, got.role, got.user_id, got.session_id)
             == (want.text, want.turn, want.topic, want.kind, want.role, want.user_id, want.session_id))
 
@@ -346,10 +347,10 @@ def test_corrupt_kv_contents_are_named_on_get(tmp_path):
 def test_other_format_versions_are_refused(tmp_path):
     directory, _ = saved_session(tmp_path)
     db = sqlite3.connect(directory / DB_NAME)
-    db.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
+    db.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
     db.commit()
     db.close()
-    with pytest.raises(ArchiveError, match=r"archive\.sqlite: archive format version 2; this code reads version 1$"):
+    with pytest.raises(ArchiveError, match=r"archive\.sqlite: archive format version 1; this code reads version 2$"):
         Archive.open(directory)
 
 

@@ -78,9 +78,10 @@ def test_rerotation_round_trip_and_layer0_matches_a_fresh_forward(tiny):
 
 
 def test_sink_receives_exactly_the_evicted_tokens_with_their_kv(tiny):
-    """Evicted tokens arrive as spans of one stretch of one turn, with ids, serials, positions and every
-    layer's KV exactly as the cache held them before compaction; a turn evicted in two compactions
-    arrives as two spans. A span survives state() -> torch.save -> from_state unchanged."""
+    """Evicted tokens arrive as one span per message (turn and role), even when the message loses tokens
+    that are not adjacent, with ids, serials, positions and every layer's KV exactly as the cache held
+    them before compaction; a turn evicted in two compactions arrives as two spans. A span survives
+    state() -> torch.save -> from_state unchanged."""
     store = store_for(tiny)
     converse(tiny, store, [4, 10, 12, 8])  # turns -1, 0, 1, 2 at 0..3, 4..13, 14..25, 26..33
     before_meta = store.meta.clone()
@@ -89,12 +90,12 @@ def test_sink_receives_exactly_the_evicted_tokens_with_their_kv(tiny):
     drop = torch.cat((torch.arange(8, 18), torch.tensor([20])))  # end of turn 0, start of turn 1, one more of turn 1
     spans = evict(store, drop)
     assert [(s.meta.turn.unique().tolist(), s.serials.tolist()) for s in spans] == [
-        ([0], list(range(8, 14))), ([1], list(range(14, 18))), ([1], [20])]
-    for span, (lo, hi) in zip(spans, [(8, 14), (14, 18), (20, 21)]):
-        assert span.meta.token.tolist() == before_meta.token[lo:hi].tolist()
-        assert span.positions.tolist() == list(range(lo, hi))
+        ([0], list(range(8, 14))), ([1], [14, 15, 16, 17, 20])]
+    for span, rows in zip(spans, [torch.arange(8, 14), torch.tensor([14, 15, 16, 17, 20])]):
+        assert span.meta.token.tolist() == before_meta.token[rows].tolist()
+        assert span.positions.tolist() == rows.tolist()
         for layer, (keys, values) in enumerate(before):
-            assert torch.equal(span.keys[layer], keys[0, :, lo:hi]) and torch.equal(span.values[layer], values[0, :, lo:hi])
+            assert torch.equal(span.keys[layer], keys[0, :, rows]) and torch.equal(span.values[layer], values[0, :, rows])
     assert aligned(store) and not bool(store.holds(torch.cat([s.serials for s in spans])).any())
     more = evict(store, torch.arange(4, 6))  # the rest of turn 0 goes in a later compaction
     assert [s.serials.tolist() for s in more] == [[4, 5]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -26,13 +26,15 @@ from agent.chat_format import ChatFormat
 from agent.engine import Feed, prefill_packed
 from agent.eval.dialogue import Dialogue, Probe, ScriptedTurn
 from agent.eval.results import EvalResult, PolicyRun, ProbeRecord, TurnSample, merge_runs
-from agent.eval.runners import BASELINE, Runner, make_runner
+from agent.eval.runners import BASELINE, MEMORY, MEMORY_TEXT, Runner, make_runner
 from agent.model import LoadedModel
 from agent.scoring import score_together
 from cache.policies import POLICIES, Budget
 from cache.storage import KV_DTYPES
+from memory.recall import MemoryConfig
 
-EVAL_POLICIES = (*POLICIES, BASELINE)
+EVAL_POLICIES = (*POLICIES, *(name + kind for kind in (MEMORY, MEMORY_TEXT) for name in POLICIES if name != "full"),
+                 BASELINE)
 MODES = ("choice", "generate")
 
 
@@ -45,6 +47,7 @@ class EvalConfig:
     map_dialogue: str | None = None  # residency map for this dialogue (default: the first)
     reply_tokens: int = 48  # generate mode: longest free reply
     decode_sample_tokens: int = 4  # choice mode: tokens decoded at each dialogue's last probe to time decode
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # of the "<policy>+memory" runs
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -101,7 +104,8 @@ class Lane:
 
 
 def feed_together(model: torch.nn.Module, lanes: list[Lane], feeds: list[list[Feed]]) -> None:
-    """Prefill every lane's feeds in shared packed forwards; each lane is charged its token share."""
+    """Prefill every lane's feeds in shared packed forwards; each lane is charged its token share. Then
+    each lane settles (archives what the feeds evicted), on its own clock."""
     flat = [feed for lane_feeds in feeds for feed in lane_feeds]
     total = sum(len(feed.ids) for feed in flat)
     if not total:
@@ -111,6 +115,8 @@ def feed_together(model: torch.nn.Module, lanes: list[Lane], feeds: list[list[Fe
     elapsed = time.perf_counter() - started
     for lane, lane_feeds in zip(lanes, feeds):
         lane.run.wall_s += elapsed * sum(len(feed.ids) for feed in lane_feeds) / total
+    for lane in lanes:
+        lane.timed(lane.runner.settle)
 
 
 def score_lanes(model: torch.nn.Module, fmt: ChatFormat, lanes: list[Lane], choices: list[str]) -> list[list[float]]:
@@ -131,11 +137,12 @@ def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: ScriptedTurn, t:
     """A probe: each policy prefills the user's message alone (timed: its time to first token); then the
     choices are scored (packed) or each policy drafts a reply alone; the reference replies follow."""
     probe = turn.probe
-    retention = {}
+    retention, recalled = {}, {}
     for lane in lanes:
         runner, run = lane.runner, lane.run
         ttft = lane.timed(runner.user_turn, turn.user)
         run.turns.append(TurnSample(run.policy, dialogue_id, t, runner.kv_tokens(), runner.kv_bytes(), ttft))
+        recalled[id(lane)] = (runner.memory() or ([], 0.0))[0]
         run.kv_bytes_peak = max(run.kv_bytes_peak, runner.kv_bytes())
         if probe.evidence:
             present = runner.resident()
@@ -155,8 +162,19 @@ def probe_turn(lanes: list[Lane], model: torch.nn.Module, turn: ScriptedTurn, t:
         lane.run.decode_tokens += len(ids)
         lane.run.decode_s += seconds
         lane.run.probes.append(ProbeRecord(lane.run.policy, dialogue_id, t, probe.kind, probe.tags, correct, chosen,
-                                           probe.answer, margin, probe.evidence, distance, retention.get(id(lane))))
+                                           probe.answer, margin, probe.evidence, distance, retention.get(id(lane)),
+                                           recalled[id(lane)]))
     feed_together(model, lanes, [lane.timed(lane.runner.reply, turn.assistant) for lane in lanes])
+    for lane in lanes:
+        note_memory(lane.run.turns[-1], lane.runner)
+
+
+def note_memory(sample: TurnSample, runner: Runner) -> None:
+    """A memory run's turn: tokens re-injected and memory milliseconds (recall plus archiving)."""
+    memory = runner.memory()
+    if memory is not None:
+        recalled, ms = memory
+        sample.reinjected, sample.memory_ms = sum(r["tokens"] for r in recalled), ms
 
 
 def run_dialogue(lanes: list[Lane], model: torch.nn.Module, dialogue: Dialogue, fmt: ChatFormat,
@@ -175,6 +193,7 @@ def run_dialogue(lanes: list[Lane], model: torch.nn.Module, dialogue: Dialogue, 
             for lane in lanes:
                 runner = lane.runner
                 lane.run.turns.append(TurnSample(lane.run.policy, dialogue.id, t, runner.kv_tokens(), runner.kv_bytes(), None))
+                note_memory(lane.run.turns[-1], runner)
         else:
             probe_turn(lanes, model, turn, t, last_probe, fed, fmt, config, dialogue.id)
         for k, lane in enumerate(lanes):
@@ -196,7 +215,8 @@ def run_policies(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalCon
     for policy in config.policies:
         budget = None if policy in ("full", BASELINE) else budget_tokens  # both unbounded
         kv_dtype = model_dtype if policy == BASELINE or config.kv_dtype == "auto" else config.kv_dtype
-        lanes.append(Lane(make_runner(policy, budget, kv_dtype, loaded), PolicyRun(policy, budget, kv_dtype, config.mode)))
+        runner = make_runner(policy, budget, kv_dtype, loaded, config.memory)
+        lanes.append(Lane(runner, PolicyRun(policy, budget, kv_dtype, config.mode)))
     for dialogue in dialogues:
         run_dialogue(lanes, loaded.model, dialogue, fmt, config, mapped=dialogue.id == map_id)
         if on_dialogue is not None:

@@ -25,12 +25,13 @@ def _cell(value, kind: str) -> str:
     return str(value)
 
 
-def table(result: EvalResult) -> Table:
-    summaries = [run.summary(result.full_kv_bytes_peak) for run in result.runs]
+def measures(summaries: list[dict]) -> list[tuple[str, list[str]]]:
+    """The report's rows, (label, one cell per policy), from the runs' summaries (`EvalResult.to_json()["runs"]`)."""
     full = next((s["accuracy"] for s in summaries if s["policy"] == "full"), None)
     kinds = sorted({k for s in summaries for k in s["by_kind"]})
     tags = sorted({t for s in summaries for t in s["by_tag"]})
     far_kinds = sorted({k for s in summaries for k in s["far_by_kind"]})
+    memory = any(s.get("memory_ms_p95") is not None for s in summaries)
     rows: list[tuple[str, str, object]] = [
         ("budget (tokens)", "raw", lambda s: s["budget_tokens"] or "none"),
         ("probes", "raw", lambda s: s["probes"]),
@@ -47,20 +48,37 @@ def table(result: EvalResult) -> Table:
         ("KV mean (MiB)", "mib", lambda s: s["kv_bytes_mean"]),
         ("TTFT p50 (ms)", "ms", lambda s: s["ttft_ms_p50"]),
         ("TTFT p95 (ms)", "ms", lambda s: s["ttft_ms_p95"]),
+        *([("re-injected tokens/turn", "ms", lambda s: s["reinjected_per_turn"]),
+           ("memory p50 (ms/turn)", "ms", lambda s: s["memory_ms_p50"]),
+           ("memory p95 (ms/turn)", "ms", lambda s: s["memory_ms_p95"])] if memory else []),
         ("decode (ms/token)", "ms", lambda s: s["decode_ms_per_token"]),
         ("wall (s)", "ms", lambda s: s["wall_s"]),
     ]
+    return [(label, [_cell(get(s), kind) for s in summaries]) for label, kind, get in rows]
+
+
+def table(result: EvalResult) -> Table:
+    summaries = [run.summary(result.full_kv_bytes_peak) for run in result.runs]
     config = result.config
     kv = ",".join(sorted({run.kv_dtype for run in result.runs if run.policy != "reprefill"})) or "-"
     title = (f"palace eval · mode {config.mode} · kv {kv} · "
              f"full cache peak {result.full_kv_bytes_peak / MIB:.2f} MiB")
     out = Table(title=title)
-    out.add_column("measure")
+    out.add_column("measure", no_wrap=True)
     for s in summaries:
-        out.add_column(s["policy"], justify="right")
-    for label, kind, get in rows:
-        out.add_row(label, *(_cell(get(s), kind) for s in summaries))
+        out.add_column(s["policy"], justify="right", no_wrap=True)
+    for label, cells in measures(summaries):
+        out.add_row(label, *cells)
     return out
+
+
+def markdown(summaries: list[dict]) -> str:
+    """The same rows as a Markdown table (for the README: `python -m agent.eval.report OUT.json`)."""
+    lines = ["| measure | " + " | ".join(s["policy"] for s in summaries) + " |",
+             "|---|" + "---:|" * len(summaries)]
+    lines += [f"| {label.strip() if not label.startswith('  ') else '&nbsp;&nbsp;' + label.strip()} | "
+              + " | ".join(cells) + " |" for label, cells in measures(summaries)]
+    return "\n".join(lines)
 
 
 def _per_turn_mean(result: EvalResult, policy: str, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -120,3 +138,16 @@ def plot(result: EvalResult, path: str) -> None:
     bottom.suptitle(f"residency map · dialogue {result.map_dialogue}")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m agent.eval.report OUT.json   (a file written by palace eval --json)")
+    try:
+        with open(sys.argv[1], encoding="utf-8") as source:
+            print(markdown(json.load(source)["runs"]))
+    except (OSError, ValueError, KeyError) as error:
+        sys.exit(f"{sys.argv[1]}: not a palace eval --json file ({error})")

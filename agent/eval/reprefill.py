@@ -59,6 +59,12 @@ class Reprefill:
         self._append(self.format.user_message(text), self.turn)
         return self.reply(reply)
 
+    def settle(self) -> None:
+        """Nothing follows a reply: no cache, no memory."""
+
+    def memory(self) -> None:
+        return None
+
     def scoring_store(self) -> None:
         """Scored alone, over its transient DynamicCache."""
         return None

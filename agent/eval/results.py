@@ -41,6 +41,8 @@ class TurnSample:
     kv_tokens: int
     kv_bytes: int
     ttft_ms: float | None  # timed at probe turns only; None elsewhere (fed packed, or nothing encoded)
+    reinjected: int | None = None  # tokens re-injected from long-term memory before this turn (memory runs)
+    memory_ms: float | None = None  # memory work of this turn: recall, and archiving after the reply
 
 
 def _mean(values: list) -> float | None:
@@ -73,6 +75,7 @@ class PolicyRun:
         ttfts = [t.ttft_ms for t in self.turns if t.ttft_ms is not None]
         retained = [p.evidence_retention for p in self.probes if p.evidence_retention is not None]
         far = [p for p in self.probes if p.far]
+        memory = [t for t in self.turns if t.memory_ms is not None]
         return {
             "policy": self.policy,
             "budget_tokens": self.budget_tokens,
@@ -91,6 +94,9 @@ class PolicyRun:
             "full_kv_bytes_peak": full_kv_bytes_peak,
             "ttft_ms_p50": float(np.percentile(ttfts, 50)) if ttfts else None,
             "ttft_ms_p95": float(np.percentile(ttfts, 95)) if ttfts else None,
+            "reinjected_per_turn": _mean([t.reinjected for t in memory]),
+            "memory_ms_p50": float(np.percentile([t.memory_ms for t in memory], 50)) if memory else None,
+            "memory_ms_p95": float(np.percentile([t.memory_ms for t in memory], 95)) if memory else None,
             "decode_ms_per_token": 1000 * self.decode_s / self.decode_tokens if self.decode_tokens else None,
             "wall_s": round(self.wall_s, 2),
         }

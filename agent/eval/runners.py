@@ -16,6 +16,7 @@ from agent.engine import Feed, SamplingConfig, decode
 from agent.model import LoadedModel
 from cache.storage import StorageConfig
 from cache.store import KVStore
+from memory.recall import MemoryConfig
 
 
 class Runner(Protocol):
@@ -26,6 +27,10 @@ class Runner(Protocol):
         """A turn whose answer is not needed: everything it feeds, to be packed with other runners'."""
     def reply(self, text: str | None) -> list[Feed]:
         """After a probe: the reference reply and the next header, to be packed."""
+    def settle(self) -> None:
+        """After a turn's feeds: the work that follows a reply (archiving what was evicted)."""
+    def memory(self) -> tuple[list[dict], float] | None:
+        """With long-term memory: what the latest turn re-injected, and its memory milliseconds."""
     def scoring_store(self) -> KVStore | None:
         """The store to score choices against in a shared packed forward, or None to score alone."""
     def score(self, choices: list[str]) -> list[float]: ...
@@ -64,6 +69,13 @@ class CacheRunner:
         self.agent.note_reply(self.turn, text)
         return [self.agent.reply_feed(self.turn, text)]
 
+    def settle(self) -> None:
+        self.agent.settle()
+
+    def memory(self) -> tuple[list[dict], float] | None:
+        memory = self.agent.memory
+        return None if memory is None else ([r.as_dict() for r in memory.last], memory.last_ms)
+
     def scoring_store(self) -> KVStore:
         return self.agent.store
 
@@ -93,11 +105,19 @@ class CacheRunner:
 
 
 BASELINE = "reprefill"
+MEMORY = "+memory"  # a policy name's suffix: that policy with long-term memory (and the topic classifier)
+MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text instead of spliced as KV (baseline)
 
 
-def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel) -> Runner:
+def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
+                memory: MemoryConfig = MemoryConfig()) -> Runner:
+    """`memory`: the long-term memory of "<policy>+memory" runs, each dialogue its own session."""
     from agent.eval.reprefill import Reprefill
 
     if policy == BASELINE:
         return Reprefill(loaded)
-    return CacheRunner(loaded, AgentConfig(policy=policy, budget_tokens=budget, storage=StorageConfig(kv_dtype)))
+    cache_policy, _, kind = policy.partition("+")
+    if kind == MEMORY_TEXT.lstrip("+"):
+        memory = replace(memory, reinject="text")
+    return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
+                                           topics=bool(kind), memory=memory if kind else None))

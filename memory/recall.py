@@ -1,0 +1,225 @@
+"""The long-term memory loop an Agent runs: what the cache evicts is archived, and before a user turn is
+prefilled, archived history the turn needs is found and its KV spliced back into the cache.
+
+- Archive. The store hands every evicted stretch (one turn, one role: cache/store.py) to `evicted`, which
+  only buffers it; `settle` archives the buffer after the reply, off the next turn's clock. Tokens that
+  came back from the archive and are evicted again are already archived and are not stored twice.
+- Unit. A stretch is archived under the embedding of the whole message it came from (`unit="message"`),
+  or of its own words (`unit="span"`). The hybrid evicts piecemeal, so a stretch is often a few words
+  without their subject; the message says what they were about.
+- Recall. The unit of recall is a dialogue turn: every archived stretch of it that the cache no longer
+  holds comes back together, so a fact returns with its frame. Turns are chosen, within `share` of the
+  budget, first those that name an entity the user's turn names (a name, a number, an address), then
+  those of the topic the classifier says the user returns to and those similar to the user's turn (FAISS,
+  cosine at least `threshold`); within each group, the more similar to the user's turn first.
+- Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from cache.meta import NOT_RECALLED
+from cache.span import KVSpan
+from cache.store import KVStore, PLACEMENTS
+from memory.archive import Archive, ArchiveConfig
+from memory.embedder import Embedder
+from memory.segment import Record, Segment
+
+UNITS = ("message", "span")
+REASONS = ("entity", "topic", "similar")  # why a turn is recalled (Recalled.reason)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    share: float = 0.25  # of the budget: the most tokens one recall re-injects
+    threshold: float = 0.4  # cosine similarity of the user's turn to an archived message
+    k: int = 8  # similar messages considered per recall
+    placement: str = "end"  # where re-injected KV goes: "end" or "chronological" (cache/store.py; end won on data/)
+    reinject: str = "kv"  # "kv": splice the archived KV; "text": re-prefill the archived tokens at the end (baseline)
+    unit: str = "message"  # what an archived stretch is embedded as: "message" or "span" (its own words)
+    entities: bool = True  # recall turns that name an entity the user's turn names
+    topics: bool = True  # recall the turns of a topic the classifier says the user returns to
+    user_id: str = "local"
+    session_id: str = "default"
+    directory: str | None = None  # None: an in-memory archive (gone with the agent)
+    archive: ArchiveConfig = field(default_factory=ArchiveConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1:
+            raise ValueError(f"memory share {self.share} must be in (0, 1]")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
+        if self.reinject not in ("kv", "text"):
+            raise ValueError(f"unknown reinject {self.reinject!r}: use kv or text")
+        if self.unit not in UNITS:
+            raise ValueError(f"unknown memory unit {self.unit!r}: use one of {', '.join(UNITS)}")
+
+
+@dataclass
+class Recalled:
+    """One turn brought back: which, why (a REASONS entry, with the entity or the similarity) and how
+    many tokens were re-injected."""
+
+    turn: int
+    reason: str
+    detail: str
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return {"turn": self.turn, "reason": self.reason, "detail": self.detail, "tokens": self.tokens}
+
+
+@dataclass
+class Candidate:
+    turn: int
+    reason: str
+    detail: str
+    similarity: float
+
+
+class LongTermMemory:
+    """One conversation's archive, attached to its store. `messages` maps (turn, role) to the text a
+    stretch of that message is embedded as (unit "message"); the Agent fills it as turns go by."""
+
+    def __init__(self, store: KVStore, embedder: Embedder, decode: Callable[[list[int]], str],
+                 config: MemoryConfig = MemoryConfig(), feed: Callable[[list[int], int], None] | None = None):
+        """`feed(ids, turn)` prefills tokens into the store (the model's job): needed for reinject "text"."""
+        if config.reinject == "text" and feed is None:
+            raise ValueError('reinject "text" needs a feed function to re-prefill with')
+        self.store, self.embedder, self.decode, self.config, self.feed = store, embedder, decode, config, feed
+        self.archive = Archive.create(config.directory, config.archive)
+        self.pending: list[KVSpan] = []
+        self.messages: dict[tuple[int, str], str] = {}
+        self.serials: dict[int, torch.Tensor] = {}  # segment id -> its tokens' serials (the archive's, kept at hand)
+        self.last: list[Recalled] = []  # what the latest recall brought back
+        self.last_ms = 0.0  # memory work of the latest turn: embedding it, its recall, archiving after its reply
+        store.on_evict = self.evicted
+
+    # --- archiving ------------------------------------------------------------------------------
+    def evicted(self, span: KVSpan) -> None:
+        """The store's eviction sink: buffer what is new to the archive (not the system prompt, not
+        tokens recalled from it)."""
+        fresh = (span.meta.recalled_at == NOT_RECALLED) & (span.meta.turn >= 0)
+        if bool(fresh.any()):
+            self.pending.append(span if bool(fresh.all()) else span.select(fresh))
+
+    def settle(self) -> None:
+        """Archive the stretches evicted since the last call, one segment per message they came from,
+        under its text's embedding."""
+        if not self.pending:
+            return
+        started = time.perf_counter()
+        by_message: dict[tuple[int, int], list[KVSpan]] = {}
+        for span in self.pending:
+            by_message.setdefault((int(span.meta.turn[0]), int(span.meta.role[0])), []).append(span)
+        self.pending = []
+        spans = [KVSpan.cat(group) for group in by_message.values()]
+        texts = [self._text(span) for span in spans]
+        vectors = self.embedder.embed(texts)
+        for span, text, vector in zip(spans, texts, vectors):
+            segment_id = self.archive.add(
+                Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
+            self.serials[segment_id] = span.serials.clone()
+        self.last_ms += (time.perf_counter() - started) * 1000
+
+    def _text(self, span: KVSpan) -> str:
+        words = self.decode(span.meta.token.tolist())
+        if self.config.unit == "span":
+            return words
+        role = {1: "user", 2: "assistant"}.get(int(span.meta.role[0]), "user")
+        return self.messages.get((int(span.meta.turn[0]), role)) or words
+
+    # --- recall ---------------------------------------------------------------------------------
+    def embed_turn(self, text: str) -> np.ndarray:
+        """The user's turn as the query (the topic classifier shares it); starts the turn's memory clock."""
+        started = time.perf_counter()
+        vector = self.embedder.embed(text)[0]
+        self.last_ms = (time.perf_counter() - started) * 1000
+        return vector
+
+    def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None) -> list[Recalled]:
+        """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
+        splice their missing KV into the store, within `share` of the budget. `query`: the turn's
+        embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any."""
+        started, spent = time.perf_counter(), self.last_ms
+        self.settle()
+        self.last = []
+        budget = self.store.policy.budget
+        if budget is not None and len(self.archive):
+            room = int(budget * self.config.share)
+            chosen: list[KVSpan] = []
+            for candidate in self._candidates(query, entities, topic):
+                missing = self._missing(candidate.turn)
+                count = sum(int(mask.sum()) for _, mask in missing)
+                if not count or count > room:
+                    continue
+                chosen.append(self._span(missing))
+                room -= count
+                self.last.append(Recalled(candidate.turn, candidate.reason, candidate.detail, count))
+            chosen.sort(key=lambda s: int(s.serials.min()))
+            if chosen and self.config.reinject == "kv":
+                self.store.inject(chosen, turn, self.config.placement)
+            elif chosen:  # the baseline: the same tokens re-encoded after the cache, as a note
+                span = KVSpan.cat(chosen)
+                self.feed(span.meta.token.tolist(), turn)
+                self.store.mark_recalled(span.meta, turn)
+        self.last_ms = spent + (time.perf_counter() - started) * 1000  # settle included
+        return self.last
+
+    def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None) -> list[Candidate]:
+        """Archived turns worth recalling, each once: those naming one of the turn's entities first, then
+        those of the topic it returns to or similar to it; each group by similarity to the turn."""
+        scope = self.config.user_id, self.config.session_id
+        similarity: dict[int, float] = {}
+        for segment_id, score in self.archive.search(query, *scope, k=self.config.k * 8):
+            turn = self.archive.record(segment_id).turn
+            similarity[turn] = max(similarity.get(turn, -1.0), score)
+
+        def ranked(turns: dict[int, tuple[str, str]]) -> list[Candidate]:
+            order = sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))
+            return [Candidate(t, *turns[t], similarity.get(t, -1.0)) for t in order]
+
+        named: dict[int, tuple[str, str]] = {}
+        if self.config.entities:
+            for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
+                for record in self.archive.segments_for(*scope, contains=entity):
+                    named.setdefault(record.turn, ("entity", entity))
+        related: dict[int, tuple[str, str]] = {}
+        if self.config.topics and topic is not None:
+            for record in self.archive.segments_for(*scope, topic=topic):
+                related.setdefault(record.turn, ("topic", str(topic)))
+        similar = sorted((t for t, s in similarity.items() if s >= self.config.threshold), key=lambda t: -similarity[t])
+        for t in similar[: self.config.k]:
+            related.setdefault(t, ("similar", f"{similarity[t]:.2f}"))
+        return ranked(named) + ranked({t: why for t, why in related.items() if t not in named})
+
+    def _missing(self, turn: int) -> list[tuple[int, torch.Tensor]]:
+        """The archived segments of `turn` holding tokens the cache does not, each with the mask of those
+        tokens (a token is in one segment only: recalled tokens are not archived again)."""
+        scope = self.config.user_id, self.config.session_id
+        missing = []
+        for record in self.archive.segments_for(*scope, turns=range(turn, turn + 1)):
+            serials = self.serials.get(record.id)
+            mask = ~self.store.holds(serials if serials is not None else self.archive.serials(record.id))
+            if bool(mask.any()):
+                missing.append((record.id, mask))
+        return missing
+
+    def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
+        """The missing tokens' KV, read from the archive, in serial order."""
+        parts = [self.archive.get(segment_id).to_span() for segment_id, _ in missing]
+        span = KVSpan.cat([part if bool(mask.all()) else part.select(mask) for part, (_, mask) in zip(parts, missing)])
+        ordered = bool((span.serials[1:] > span.serials[:-1]).all())
+        return span if ordered else span.select(torch.argsort(span.serials))
+
+    def stats(self) -> dict:
+        return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),
+                "recalled": [r.as_dict() for r in self.last], "memory_ms": round(self.last_ms, 2)}
+
+    def close(self) -> None:
+        self.archive.close()

@@ -1,0 +1,135 @@
+"""Long-term memory in the agent loop (memory/recall.py): what the cache evicts is archived after the
+reply, and a later turn that names it, returns to its topic or resembles it gets its KV back. Real
+components: the tiny random Llama or the embedded SmolLM2, the bundled MiniLM, FAISS and SQLite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent import Agent, AgentConfig
+from agent.engine import prefill
+from cache.meta import NOT_RECALLED
+from memory.embedder import shared_embedder
+from memory.recall import LongTermMemory, MemoryConfig
+from tests.helpers import ask, store_for, teacher_force
+
+
+def spoken(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def tiny_conversation(tiny, budget: int, config: MemoryConfig = MemoryConfig()):
+    """A window store with memory over the tiny model; turn t's message is `texts[t]`."""
+    store = store_for(tiny, "window", budget)
+    memory = LongTermMemory(store, shared_embedder(), spoken, config)
+    prefill(tiny, store, [1, 2, 3, 4], -1, "system", -1)
+    return store, memory
+
+
+def say(tiny, store, memory, turn: int, text: str, size: int = 12) -> None:
+    memory.messages[(turn, "user")] = text
+    ids = torch.randint(5, 500, (size,), generator=torch.Generator().manual_seed(turn)).tolist()
+    prefill(tiny, store, ids, turn, "user", turn)
+    memory.settle()
+
+
+TEXTS = ["My dog Biscuit needs a vet appointment on Friday.", "What are your opening hours?",
+         "Do you sell winter tyres for a small hatchback?", "Can I pay by bank transfer?",
+         "How long does delivery to Oslo take?", "Is there parking near the shop?"]
+
+
+def test_evicted_messages_are_archived_once_and_an_entity_brings_them_back(tiny):
+    store, memory = tiny_conversation(tiny, budget=48, config=MemoryConfig(placement="chronological"))
+    for turn, text in enumerate(TEXTS):
+        say(tiny, store, memory, turn, text)
+    archived = memory.archive.segments_for("local", "default", turns=range(0, 1))
+    assert archived and all(r.text == TEXTS[0] for r in archived)  # embedded and found as its whole message
+    assert not bool((store.meta.turn == 0).any())
+    recalled = memory.recall(6, shared_embedder().embed("How is Biscuit doing?")[0], ["biscuit"], None)
+    assert [(r.turn, r.reason, r.detail, r.tokens) for r in recalled][:1] == [(0, "entity", "biscuit", 12)]
+    back = store.meta.turn == 0
+    assert int(back.sum()) == 12 and bool((store.meta.recalled_at[back] == 6).all())
+    assert store.length <= 48 and store.meta.serial.tolist() == sorted(store.meta.serial.tolist())  # chronological
+    store.policy.make_room(store, 48)  # everything evicted again: the recalled tokens are not archived twice
+    memory.settle()
+    assert memory.archive.segments_for("local", "default", turns=range(0, 1)) == archived
+    memory.close()
+
+
+def test_recall_stays_within_its_share_and_skips_what_the_cache_holds(tiny):
+    store, memory = tiny_conversation(tiny, budget=64, config=MemoryConfig(share=0.25, threshold=-1.0))
+    for turn, text in enumerate(TEXTS):
+        say(tiny, store, memory, turn, text)
+    recalled = memory.recall(6, shared_embedder().embed("winter tyres and parking")[0], [], None)
+    assert recalled and sum(r.tokens for r in recalled) <= 16
+    assert all(r.reason == "similar" for r in recalled)
+    assert all(not bool(((store.meta.turn == r.turn) & (store.meta.recalled_at == NOT_RECALLED)).any())
+               for r in recalled)  # only turns the cache had lost
+    assert store.length <= 64
+    recalled_rows = torch.nonzero(store.meta.recalled_at == 6).flatten()  # placed at the end, the default
+    assert recalled_rows.tolist() == list(range(store.length - recalled_rows.numel(), store.length))
+    again = memory.recall(7, shared_embedder().embed("winter tyres and parking")[0], [], None)
+    assert {r.turn for r in again}.isdisjoint({r.turn for r in recalled})  # held now: nothing to bring back
+    memory.close()
+
+
+def test_recall_never_crosses_users(tiny):
+    """One archive, two users: one user's memories never come back for another."""
+    store, memory = tiny_conversation(tiny, budget=40, config=MemoryConfig(user_id="alice", threshold=-1.0))
+    for turn, text in enumerate(TEXTS):
+        say(tiny, store, memory, turn, text)
+    other = LongTermMemory(store_for(tiny, "window", 40), shared_embedder(), spoken,
+                           MemoryConfig(user_id="bob", threshold=-1.0))
+    other.archive.close()
+    other.archive = memory.archive  # the same archive, searched for another user
+    assert other.recall(6, shared_embedder().embed(TEXTS[0])[0], ["biscuit"], None) == []
+    memory.close()
+
+
+FILLER = ["Do you have the blue towels in stock?", "What time does the pool open on Sunday?",
+          "Can I bring a guest to the sauna?", "Is the spin class full this week?",
+          "How much is a personal trainer session?", "Are there lockers for bikes outside?",
+          "Can I freeze my membership while travelling?", "Do you sell protein bars at the desk?"]
+
+
+def test_a_fact_evicted_long_ago_is_recalled_when_asked_and_wins(embedded):
+    """Turn 1 states a fact; a window of 256 tokens has evicted it by turn 30; at turn 45 the user asks
+    for it, memory re-injects turn 1, and the correct choice scores best."""
+    config = AgentConfig(policy="window", budget_tokens=256, memory=MemoryConfig())
+    agent = Agent(embedded, config)
+    teacher_force(agent, "Hi, I am setting up my gym membership today.", "Welcome! Happy to help you set it up.")
+    teacher_force(agent, "My locker code is 4817, please put it on my account.",
+                  "Done: locker code 4817 is saved on your account.")
+    for turn in range(2, 45):
+        teacher_force(agent, FILLER[turn % len(FILLER)], "Yes, that is possible; the front desk can help.")
+        if turn == 30:
+            assert not bool((agent.store.meta.turn == 1).any())
+    assert len(agent.memory.archive.segments_for("local", "default", turns=range(1, 2)))
+    turn = ask(agent, "Sorry, what was my locker code again?")
+    assert 1 in [r.turn for r in turn.recalled]
+    scores = agent.score(["Your locker code is 4817.", "Your locker code is 5930.", "Your locker code is 1264."])
+    assert max(range(3), key=scores.__getitem__) == 0
+    assert agent.stats()["memory"]["archived_segments"] == len(agent.memory.archive)
+
+
+def test_text_baseline_reencodes_the_recalled_tokens_once(tiny):
+    """reinject "text": the recalled turn's tokens are re-prefilled after the cache with their own ids,
+    take back their serials and turn, and are neither archived again nor recalled a second time."""
+    store = store_for(tiny, "window", 48)
+    memory = LongTermMemory(store, shared_embedder(), spoken, MemoryConfig(reinject="text"),
+                            feed=lambda ids, turn: prefill(tiny, store, ids, turn, "user", turn))
+    prefill(tiny, store, [1, 2, 3, 4], -1, "system", -1)
+    for turn, text in enumerate(TEXTS):
+        say(tiny, store, memory, turn, text)
+    parts = [memory.archive.get(r.id) for r in memory.archive.segments_for("local", "default", turns=range(0, 1))]
+    tokens = [t for part in parts for t in part.tokens]
+    serials = torch.cat([part.serials for part in parts]).tolist()
+    recalled = memory.recall(6, shared_embedder().embed("How is Biscuit doing?")[0], ["biscuit"], None)
+    assert recalled[0].turn == 0
+    back = torch.nonzero(store.meta.recalled_at == 6).flatten()
+    assert back.tolist() == list(range(store.length - back.numel(), store.length))
+    assert store.meta.token[back].tolist() == tokens and store.meta.serial[back].tolist() == serials == sorted(serials)
+    assert bool((store.meta.turn[back] == 0).all()) and store.length <= 48
+    assert all(r.turn != 0 for r in memory.recall(7, shared_embedder().embed("Biscuit")[0], ["biscuit"], None))
+    memory.close()
