@@ -172,8 +172,11 @@ def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     assert set(data["runs"][0]) == {
         "policy", "budget_tokens", "kv_dtype", "mode", "probes", "accuracy", "by_kind", "by_tag",
         "far_probes", "far_accuracy", "far_by_kind", "evidence_retention", "kv_bytes_peak", "kv_bytes_mean",
-        "full_kv_bytes_peak", "ttft_ms_p50", "ttft_ms_p95", "decode_ms_per_token", "wall_s"}
-    assert set(data["per_turn"][0]) == {"policy", "dialogue", "turn", "kv_tokens", "kv_bytes", "ttft_ms"}
+        "full_kv_bytes_peak", "ttft_ms_p50", "ttft_ms_p95", "reinjected_per_turn", "memory_ms_p50", "memory_ms_p95",
+        "decode_ms_per_token", "wall_s"}
+    assert data["runs"][0]["memory_ms_p95"] is None and data["runs"][0]["reinjected_per_turn"] is None  # no memory
+    assert set(data["per_turn"][0]) == {"policy", "dialogue", "turn", "kv_tokens", "kv_bytes", "ttft_ms", "reinjected",
+                                        "memory_ms"}
     assert len(data["per_turn"]) == 2 * 12
     records = {(r["policy"], r["turn"]): r for r in data["probes"]}
     assert len(data["probes"]) == 2 * 2 and set(records[("full", 10)]) == {
