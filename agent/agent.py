@@ -179,7 +179,7 @@ class Agent:
             return
         from classifiers.topics import analyse
 
-        returns_to = int(turn.topic.split(":")[1]) if turn.topic and turn.topic.startswith("return:") else None
+        returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn
         turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to)
 
     def prefill(self, turn: Turn) -> None:

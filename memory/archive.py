@@ -192,14 +192,6 @@ class Archive:
             raise KeyError(segment_id)
         return Record(*row)
 
-    def serials(self, segment_id: int) -> torch.Tensor:
-        """A segment's token serials without reading its KV (which of them a live cache still holds
-        decides whether it is worth reading); KeyError if there is no such segment."""
-        row = self._db.execute("SELECT serials FROM segments WHERE id = ?", (segment_id,)).fetchone()
-        if row is None:
-            raise KeyError(segment_id)
-        return _tensor(row[0], "<i8", "cpu")
-
     def search(self, query_embedding: np.ndarray, user_id: str, session_id: str, k: int = 5,
                threshold: float | None = None) -> list[tuple[int, float]]:
         """(segment_id, cosine score) of this user's and session's closest segments, best first."""

@@ -17,7 +17,7 @@ prefilled, archived history the turn needs is found and its KV spliced back into
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -28,7 +28,7 @@ from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
 from memory.archive import Archive, ArchiveConfig
 from memory.embedder import Embedder
-from memory.segment import Record, Segment
+from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
 REASONS = ("entity", "topic", "similar")  # why a turn is recalled (Recalled.reason)
@@ -71,15 +71,7 @@ class Recalled:
     tokens: int
 
     def as_dict(self) -> dict:
-        return {"turn": self.turn, "reason": self.reason, "detail": self.detail, "tokens": self.tokens}
-
-
-@dataclass
-class Candidate:
-    turn: int
-    reason: str
-    detail: str
-    similarity: float
+        return asdict(self)
 
 
 class LongTermMemory:
@@ -95,7 +87,7 @@ class LongTermMemory:
         self.archive = Archive.create(config.directory, config.archive)
         self.pending: list[KVSpan] = []
         self.messages: dict[tuple[int, str], str] = {}
-        self.serials: dict[int, torch.Tensor] = {}  # segment id -> its tokens' serials (the archive's, kept at hand)
+        self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # segment id -> its turn and serials, read without I/O
         self.last: list[Recalled] = []  # what the latest recall brought back
         self.last_ms = 0.0  # memory work of the latest turn: embedding it, its recall, archiving after its reply
         store.on_evict = self.evicted
@@ -124,15 +116,14 @@ class LongTermMemory:
         for span, text, vector in zip(spans, texts, vectors):
             segment_id = self.archive.add(
                 Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
-            self.serials[segment_id] = span.serials.clone()
+            self.kept[segment_id] = int(span.meta.turn[0]), span.serials.clone()
         self.last_ms += (time.perf_counter() - started) * 1000
 
     def _text(self, span: KVSpan) -> str:
         words = self.decode(span.meta.token.tolist())
         if self.config.unit == "span":
             return words
-        role = {1: "user", 2: "assistant"}.get(int(span.meta.role[0]), "user")
-        return self.messages.get((int(span.meta.turn[0]), role)) or words
+        return self.messages.get((int(span.meta.turn[0]), ROLE_NAMES[int(span.meta.role[0])])) or words
 
     # --- recall ---------------------------------------------------------------------------------
     def embed_turn(self, text: str) -> np.ndarray:
@@ -153,14 +144,14 @@ class LongTermMemory:
         if budget is not None and len(self.archive):
             room = int(budget * self.config.share)
             chosen: list[KVSpan] = []
-            for candidate in self._candidates(query, entities, topic):
-                missing = self._missing(candidate.turn)
+            for old_turn, reason, detail in self._candidates(query, entities, topic):
+                missing = self._missing(old_turn)
                 count = sum(int(mask.sum()) for _, mask in missing)
                 if not count or count > room:
                     continue
                 chosen.append(self._span(missing))
                 room -= count
-                self.last.append(Recalled(candidate.turn, candidate.reason, candidate.detail, count))
+                self.last.append(Recalled(old_turn, reason, detail, count))
             chosen.sort(key=lambda s: int(s.serials.min()))
             if chosen and self.config.reinject == "kv":
                 self.store.inject(chosen, turn, self.config.placement)
@@ -171,18 +162,18 @@ class LongTermMemory:
         self.last_ms = spent + (time.perf_counter() - started) * 1000  # settle included
         return self.last
 
-    def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None) -> list[Candidate]:
-        """Archived turns worth recalling, each once: those naming one of the turn's entities first, then
-        those of the topic it returns to or similar to it; each group by similarity to the turn."""
+    def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None) -> list[tuple[int, str, str]]:
+        """Archived turns worth recalling, each once, as (turn, reason, detail): those naming one of the
+        turn's entities first, then those of the topic it returns to or similar to it; each group by
+        similarity to the turn."""
         scope = self.config.user_id, self.config.session_id
         similarity: dict[int, float] = {}
         for segment_id, score in self.archive.search(query, *scope, k=self.config.k * 8):
-            turn = self.archive.record(segment_id).turn
+            turn = self.kept[segment_id][0]
             similarity[turn] = max(similarity.get(turn, -1.0), score)
 
-        def ranked(turns: dict[int, tuple[str, str]]) -> list[Candidate]:
-            order = sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))
-            return [Candidate(t, *turns[t], similarity.get(t, -1.0)) for t in order]
+        def ranked(turns: dict[int, tuple[str, str]]) -> list[tuple[int, str, str]]:
+            return [(t, *turns[t]) for t in sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))]
 
         named: dict[int, tuple[str, str]] = {}
         if self.config.entities:
@@ -204,8 +195,7 @@ class LongTermMemory:
         scope = self.config.user_id, self.config.session_id
         missing = []
         for record in self.archive.segments_for(*scope, turns=range(turn, turn + 1)):
-            serials = self.serials.get(record.id)
-            mask = ~self.store.holds(serials if serials is not None else self.archive.serials(record.id))
+            mask = ~self.store.holds(self.kept[record.id][1])
             if bool(mask.any()):
                 missing.append((record.id, mask))
         return missing
