@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -44,26 +45,30 @@ def chat(
     topics: bool = typer.Option(True, "--topics/--no-topics", help="Track topics (new / continue / return) per turn."),
     memory: bool = typer.Option(True, "--memory/--no-memory",
                                 help="Archive evicted KV and re-inject it when its topic or an entity returns."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="Entity graph, profile and running summary as notes "
+                               "in the permanent tier; references steer recall."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
 ) -> None:
-    """Chat in the terminal. Commands: /stats, /reset, /quit. Piped stdin: one message per line."""
+    """Chat in the terminal. Commands: /stats, /memory, /reset, /quit. Piped stdin: one message per line."""
     from agent import Agent, AgentConfig, SamplingConfig
     from cache.policies import Budget
     from cache.storage import StorageConfig
+    from memory.profile import ProfileConfig
     from memory.recall import MemoryConfig
 
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
                          budget_tokens=Budget.parse(budget).tokens(), system=system,
                          storage=StorageConfig(kv_dtype, paged=paged), topics=topics,
-                         memory=MemoryConfig() if memory else None,
+                         memory=MemoryConfig() if memory else None, graph=graph,
+                         profile=ProfileConfig() if graph else None,
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
     interactive = sys.stdin.isatty()
     warned = False
     if interactive:
-        typer.echo(f"{agent.loaded.name} · policy {policy} · budget {config.budget_tokens}. /stats /reset /quit")
+        typer.echo(f"{agent.loaded.name} · policy {policy} · budget {config.budget_tokens}. /stats /memory /reset /quit")
     while True:
         if interactive:
             typer.echo("you> ", nl=False)
@@ -86,10 +91,34 @@ def chat(
         if message == "/stats":
             typer.echo(" ".join(f"{key}={value}" for key, value in agent.stats().items()))
             continue
+        if message == "/memory":
+            typer.echo("\n".join(memory_lines(agent)))
+            continue
         typer.echo("palace> ", nl=False)
         for piece in agent.stream(message):
             typer.echo(piece, nl=False)
         typer.echo("")
+
+
+def memory_lines(agent) -> list[str]:
+    """What `/memory` shows: the notes in the permanent tier, facts (superseded ones marked), the last
+    turn's resolved references and what the last recall brought back."""
+    lines = []
+    if agent.graph is None and agent.memory is None:
+        return ["(memory is off: --memory / --graph)"]
+    if agent.notes:
+        lines += ["notes in the permanent tier:", *("  " + line for line in agent.notes.splitlines())]
+    if agent.graph is not None:
+        for fact in agent.graph.facts:
+            state = "current" if fact.current else f"superseded at turn {fact.invalid_from_turn} by {fact.superseded_by!r}"
+            lines.append(f"fact  {fact.attribute}: {fact.value!r} (from turn {fact.valid_from_turn}, {state})")
+        for resolution in agent.graph.resolutions.get(agent.turn_index - 1, []):
+            lines.append(f"ref   {resolution.span!r} -> {resolution.entity!r} (named at turn {resolution.antecedent})")
+    if agent.memory is not None:
+        for recalled in agent.memory.last:
+            lines.append(f"recalled turn {recalled.turn} ({recalled.reason}: {recalled.detail}), {recalled.tokens} tokens")
+        lines.append(f"archive: {len(agent.memory.archive)} segments")
+    return lines or ["(nothing remembered yet)"]
 
 
 @app.command()
@@ -224,13 +253,41 @@ def train(
     test_share: float = typer.Option(0.25, "--test-share", min=0.05, max=0.9, help="Share of dialogues held out."),
     seed: int = typer.Option(0, help="Seed of the held-out split."),
     rounds: int = typer.Option(2, min=0, help="Rounds of training on the classifier's own online states (DAgger)."),
+    what: str = typer.Option("topics", "--what", help="topics (the topic-boundary classifier) or persistence "
+                             "(the persistence marker's clause model)."),
+    evaluate: Optional[list[str]] = typer.Option(None, "--eval", help="persistence: annotated dialogues to print "
+                                                 "precision and recall on (default: data/heldout/)."),
 ) -> None:
-    """Train the topic-boundary classifier; print Pk, WindowDiff, boundary F1 and return accuracy on a
-    held-out split next to two baselines; save the model."""
+    """Train the topic-boundary classifier (print Pk, WindowDiff, boundary F1 and return accuracy on a
+    held-out split next to two baselines) or the persistence marker (print span precision and recall on
+    held-out annotated dialogues); save the model."""
+    make_parents(out)
+    if what == "persistence":
+        from classifiers.annotations import train_persistence
+        from classifiers.train import ROOT
+
+        train_persistence(data or [str(ROOT / "data" / "dialogues.jsonl"), str(ROOT / "data" / "dev")],
+                          evaluate or [str(ROOT / "data" / "heldout")], out, typer.echo)
+        return
+    if what != "topics":
+        raise UserError(f"--what takes topics or persistence, got {what!r}")
     from classifiers.train import train_command
 
-    make_parents(out)
     train_command(data, out, test_share, seed, rounds=rounds, echo=typer.echo)
+
+
+@app.command()
+def refs(
+    files: list[str] = typer.Argument(..., help="Dialogue files or folders with `refs` annotations."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the table and every reference's resolution here."),
+) -> None:
+    """Resolve every annotated reference with the entity graph; print accuracy by reference type."""
+    from classifiers.annotations import load_dialogues, score_references
+
+    make_parents(json_path)
+    report = score_references(load_dialogues(files), typer.echo)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
 
 
 @app.command()

@@ -25,7 +25,12 @@ from agent.scoring import score_together
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
+from memory.graph import EntityGraph, Resolution
+from memory.profile import ProfileConfig, render
 from memory.recall import LongTermMemory, MemoryConfig, Recalled
+from memory.summaries import RunningSummary
+
+NOTES_TURN = -2  # the turn the notes' tokens carry: below 0, so the permanent tier holds them
 
 
 @dataclass
@@ -43,6 +48,8 @@ class AgentConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     topics: bool = False  # classify each turn's topic (classifiers/topics.py); segments become topics
     memory: MemoryConfig | None = None  # archive evicted KV and recall it (memory/recall.py); None: off
+    graph: bool = False  # entity graph: facts, corrections, references resolved (memory/graph.py)
+    profile: ProfileConfig | None = None  # notes in the permanent tier: profile and running summary; None: off
 
 
 @dataclass
@@ -57,6 +64,7 @@ class Turn:
     reply: str | None = None
     embedding: np.ndarray | None = None  # the user's words (all-MiniLM-L6-v2), when topics or memory need it
     recalled: list[Recalled] = field(default_factory=list)  # archived turns re-injected before this one
+    resolutions: list[Resolution] = field(default_factory=list)  # its references, resolved by the entity graph
 
 
 @dataclass
@@ -88,7 +96,9 @@ class Agent:
             self.config.hybrid,
         )
         self.topic_model = self.embedder = self.memory = None
-        if self.config.topics or self.config.memory is not None:
+        if self.config.profile is not None and not self.config.graph:
+            raise ValueError("the profile is built from the entity graph: turn the graph on too")
+        if self.config.topics or self.config.memory is not None or self.config.profile is not None:
             from memory.embedder import shared_embedder
 
             self.embedder = shared_embedder()
@@ -119,6 +129,10 @@ class Agent:
             self.memory.close()
         self.memory = None if self.config.memory is None else LongTermMemory(
             self.store, self.embedder, self.format.decode, self.config.memory, self._feed_note)
+        self.graph = EntityGraph() if self.config.graph else None
+        profile = self.config.profile
+        self.summary = RunningSummary(profile.summary_every) if profile is not None else None
+        self.notes = ""  # the notes text the permanent tier holds now
         self.turn_index = 0
         self.timing = TurnTiming()
         system = Feed(self.store, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
@@ -167,8 +181,13 @@ class Agent:
         if self.tracker is not None:
             decision = self.tracker.observe(text, embedding=turn.embedding)
             turn.segment, turn.topic = decision.topic_turn, decision.label
+        if self.graph is not None:
+            started = time.perf_counter()
+            turn.resolutions = self.graph.observe(turn.index, text)[1]
+            self._charge(started)
         if self.memory is not None:
             self.memory.messages[(turn.index, "user")] = text
+            self.memory.vectors[(turn.index, "user")] = turn.embedding
         self.turn_index += 1
         return turn
 
@@ -180,7 +199,13 @@ class Agent:
         from classifiers.topics import analyse
 
         returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn
-        turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to)
+        referents = {r.antecedent: r.entity for r in turn.resolutions}
+        summarised = {}
+        if self.summary is not None:  # the keyframe most like the turn brings back its block's turns
+            for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
+                summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
+        turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to,
+                                           referents, summarised)
 
     def prefill(self, turn: Turn) -> None:
         """Feed the user's words and the assistant header; the store's next-token logits then start the reply."""
@@ -189,8 +214,8 @@ class Agent:
     def remember(self, turn: Turn, reply: str | None = None) -> None:
         """After the reply: feed its closing and pre-warm the next user header, off the next turn's clock.
         `reply`: a reply's text to feed as history first (teacher forcing), when decode did not feed it."""
-        prefill_packed(self.model, [self.reply_feed(turn, reply)])
         self.note_reply(turn, reply)
+        prefill_packed(self.model, [self.reply_feed(turn, reply)])
         self.settle()
 
     def note_reply(self, turn: Turn, reply: str | None) -> None:
@@ -199,10 +224,24 @@ class Agent:
         turn.reply = reply if reply is not None else turn.reply
         if not turn.reply:
             return
+        reply_vector = self.embedder.embed(turn.reply)[0] if self.tracker is not None else None
         if self.tracker is not None:
-            self.tracker.reply(turn.reply, embedding=self.embedder.embed(turn.reply)[0])
+            self.tracker.reply(turn.reply, embedding=reply_vector)
         if self.memory is not None:
             self.memory.messages[(turn.index, "assistant")] = turn.reply
+            if reply_vector is not None:
+                self.memory.vectors[(turn.index, "assistant")] = reply_vector
+        started = time.perf_counter()
+        if self.graph is not None:
+            self.graph.mention(turn.index, turn.reply)
+        if self.summary is not None and turn.embedding is not None:
+            self.summary.add(turn.index, turn.text, turn.embedding)
+        self._charge(started)
+
+    def _charge(self, started: float) -> None:
+        """Count graph and notes work since `started` as the turn's memory work."""
+        if self.memory is not None:
+            self.memory.last_ms += (time.perf_counter() - started) * 1000
 
     def settle(self) -> None:
         """Archive what the turn's feeds evicted (callers that feed themselves call this after)."""
@@ -221,8 +260,31 @@ class Agent:
         """What `remember` feeds: a reply's text (None: already fed by decode), then its closing and the
         next user header, which opens the user's next message."""
         feed = Feed(self.store, turn.index, turn.segment)
-        return feed.add(self.format.assistant_reply(reply) if reply is not None else [], "assistant").add(
-            self.format.next_user_header(), "user")
+        feed.add(self.format.assistant_reply(reply) if reply is not None else [], "assistant")
+        notes = self._renewed_notes()
+        if notes is None:
+            return feed.add(self.format.next_user_header(), "user")
+        closing, block, header = self.format.closing_note_header(notes)
+        return feed.add(closing, "user").add(block, "system", turn=NOTES_TURN, segment=NOTES_TURN).add(header, "user")
+
+    def _renewed_notes(self) -> str | None:
+        """When the profile or summary changed: drop the old notes' KV (replaced, not appended) and return
+        the new text to feed; None when unchanged."""
+        if self.config.profile is None:
+            return None
+        started = time.perf_counter()
+        profile = self.config.profile
+        count = lambda text: len(self.format.words(text))  # noqa: E731
+        notes = render(self.graph, self.summary, count, profile.cap(self.policy.budget), profile.superseded)
+        if notes == self.notes or not notes:
+            return None
+        old = self.store.meta.turn == NOTES_TURN
+        if bool(old.any()):
+            with torch.inference_mode():
+                self.store.keep(torch.nonzero(~old).flatten())
+        self.notes = notes
+        self._charge(started)
+        return notes
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice as the continuation of the cache as it is now (after
@@ -267,6 +329,9 @@ class Agent:
                 "topic_stack": sorted(self.tracker.topics, key=lambda k: -self.tracker.topics[k].last)[:5]}
                if self.tracker is not None and self.tracker.turns else {}),
             **({"memory": self.memory.stats()} if self.memory is not None else {}),
+            **({"graph": self.graph.stats(self.turn_index - 1)} if self.graph is not None else {}),
+            **({"notes": self.notes, "notes_tokens": int((meta.turn == NOTES_TURN).sum())}
+               if self.config.profile is not None else {}),
             "ttft_ms": round(self.timing.ttft_ms, 2),
             "decode_tok_s": round(self.timing.decode_tok_s, 2),
         }

@@ -21,6 +21,7 @@ class ChatFormat:
     user_to_assistant: str  # after a user message, up to the reply (the generation prompt)
     assistant_to_user: str  # after a reply, up to the next user text (what pre-warm feeds)
     end_of_turn: list[int]  # token ids that end an assistant reply
+    system_tail: str | None = None  # after a system message's text, up to the next message (None: not separable)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "ChatFormat":
@@ -39,7 +40,12 @@ class ChatFormat:
         closing = tokenizer(assistant_to_user, add_special_tokens=False).input_ids
         if closing and closing[0] in tokenizer.all_special_ids:
             end_of_turn.add(closing[0])
-        return cls(tokenizer, head, system_to_user, tail, assistant_to_user, sorted(end_of_turn))
+        alone = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
+        system_tail = alone.split(SYSTEM, 1)[1] if alone.startswith(head + SYSTEM) else None
+        if system_tail is not None and not (system_to_user.startswith(system_tail) and
+                                            assistant_to_user.endswith(system_to_user[len(system_tail):])):
+            system_tail = None
+        return cls(tokenizer, head, system_to_user, tail, assistant_to_user, sorted(end_of_turn), system_tail)
 
     def frame(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -62,6 +68,16 @@ class ChatFormat:
     def next_user_header(self) -> list[int]:
         """Close the reply and open the next user turn: the fixed prefix pre-warmed after each reply."""
         return self.frame(self.assistant_to_user)
+
+    def closing_note_header(self, note: str) -> tuple[list[int], list[int], list[int]]:
+        """`next_user_header` cut in two around a system message carrying `note` (the permanent tier's
+        notes): the reply's closing, the framed note, the next user header."""
+        if self.system_tail is None:
+            raise ValueError("this chat template has no separable system message to carry notes in")
+        header = self.system_to_user[len(self.system_tail):]
+        closing = self.assistant_to_user[: len(self.assistant_to_user) - len(header)]
+        return (self.frame(closing), self.frame(self.head) + self.words(note) + self.frame(self.system_tail),
+                self.frame(header))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -30,33 +30,39 @@ class SamplingConfig:
 
 @dataclass
 class Feed:
-    """What one store is to be fed: token ids with their metadata (turn, segment, a role per token)."""
+    """What one store is to be fed: token ids with their metadata (a role, turn and segment per token;
+    `turn` and `segment` are those of tokens added without their own)."""
 
     store: KVStore
     turn: int
     segment: int
     ids: list[int] = field(default_factory=list)
-    roles: list[str] = field(default_factory=list)  # one per id
+    marks: list[tuple[str, int, int]] = field(default_factory=list)  # (role, turn, segment), one per id
 
-    def add(self, ids: list[int], role: str) -> "Feed":
+    def add(self, ids: list[int], role: str, turn: int | None = None, segment: int | None = None) -> "Feed":
+        """Append ids of one role; `turn`/`segment` override the feed's (the profile block is turn -2)."""
+        mark = (role, self.turn if turn is None else turn, self.segment if segment is None else segment)
         self.ids += ids
-        self.roles += [role] * len(ids)
+        self.marks += [mark] * len(ids)
         return self
 
     def then(self, other: "Feed") -> "Feed":
-        """This feed followed by another of the same store and turn, as one feed."""
+        """This feed followed by another of the same store, as one feed."""
+        if other.store is not self.store:
+            raise ValueError("Feed.then joins feeds of one store")
         self.ids += other.ids
-        self.roles += other.roles
+        self.marks += other.marks
         return self
 
     def declare(self, start: int, count: int) -> None:
-        """store.expect the metadata of ids[start:start+count], one call per run of equal roles."""
+        """store.expect the metadata of ids[start:start+count], one call per run of equal marks."""
         end = start + count
         while start < end:
             run = start
-            while run < end and self.roles[run] == self.roles[start]:
+            while run < end and self.marks[run] == self.marks[start]:
                 run += 1
-            self.store.expect(run - start, self.turn, self.roles[start], self.segment, self.ids[start:run])
+            role, turn, segment = self.marks[start]
+            self.store.expect(run - start, turn, role, segment, self.ids[start:run])
             start = run
 
 

@@ -9,7 +9,8 @@ only in its evidence turns, and an untagged probe's distractor values appear now
 the dialogue, so choosing the right answer needs the evidence. `check()` asserts this for
 every dialogue; a dialogue that fails is redrawn. Distractors are chosen to have the same
 token count as the answer under the SmolLM2 tokenizer, because choices are scored by
-total log-probability.
+total log-probability. The user turns that state a fact carry `persist` spans and the second
+item's "That one" a `refs` entry (the optional annotations of docs/dialogue-format.md; see PERSIST).
 """
 
 from __future__ import annotations
@@ -187,6 +188,47 @@ FACTS = {
     "confusable_item": [("For the record, {v} has been absolutely fine.",
                          "Good to hear. I'll leave that one as it is.")],
 }
+
+# `persist` annotations (docs/dialogue-format.md, "Annotations") for the facts that FACTS and the item
+# intro plant in user text. Per fact kind, a list of groups; each group is one span, given as alternative
+# patterns (one per FACTS template), and exactly the first pattern found in the user text is emitted.
+# Rules: a value (name, reference number, email, mobile, address, date) is annotated as the bare value
+# exactly as drawn, with nothing around it, and an item as its name without the leading "the" ("Solara
+# keyboard", "flight to Basel", "card ending in 1934", "room 241"); a correction annotates only the new
+# value (the old one was annotated where it was first stated). A preference is the value plus the one
+# word that ties it to the request ("by WhatsApp", "Just WhatsApp", "in Greek"); a prohibition is a
+# `taboo`, as in data/heldout/: the no-calls phrase ("never call me", "no calls at all") and the allergy
+# with the word that states it ("allergic to sesame", "allergy to sesame"). The issues, the defect and
+# the assistant-given case number and credit are not annotated (not a persist type / not user text).
+PERSIST: dict[str, list[list[tuple[str, str]]]] = {
+    "name": [[("identity", "{v}")]],
+    "ref": [[("identity", "{v}")]],
+    "email": [[("contact", "{v}")]],
+    "phone": [[("contact", "{v}")]],
+    "address": [[("address", "{v}")]],
+    "address_fix": [[("address", "{v}")]],
+    "date": [[("date", "{v}")]],
+    "date_fix": [[("date", "{v}")]],
+    "channel": [[("preference", "by {v}"), ("preference", "Just {v}")],
+                [("taboo", "never call me"), ("taboo", "no calls at all")]],
+    "language": [[("preference", "in {v}")]],
+    "allergen": [[("taboo", "allergic to {v}"), ("taboo", "allergy to {v}")]],
+    "item": [[("identity", "{item}")]],  # the second item (domain["item_intro"])
+    "confusable_ref": [[("identity", "{v}")]],  # the older reference number
+    "confusable_item": [[("identity", "{item}")]],  # the other item
+}
+
+
+def persist_spans(key: str, user: str, v: str) -> list[dict]:
+    """The `persist` spans of a fact turn (PERSIST); no randomness, so the text of a seed is unchanged."""
+    spans, fmt = [], dict(v=v, item=v.removeprefix("the "))
+    for group in PERSIST.get(key, []):
+        found = [(kind, pat.format(**fmt)) for kind, pat in group if pat.format(**fmt) in user]
+        if not found:  # a template and its span rule disagree: a bug, not a reason to redraw
+            raise RuntimeError(f"no persist span for {key} {v!r} in {user!r}")
+        spans.append({"span": found[0][1], "type": found[0][0]})
+    return spans
+
 
 RETURNS = [("Okay, back to {phrase} for a moment.", "Sure, let's pick {phrase} back up. What else do you need?"),
            ("Anyway, where were we with {phrase}?", "We were in the middle of {phrase}. Happy to continue."),
@@ -611,6 +653,7 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
     turns: list[dict | None] = [None] * N_TURNS
     evidence: dict[str, list[int]] = {}
     what: list[str] = [""] * N_TURNS  # what each turn is, for the fine topic labels (no rng use)
+    notes: dict[int, dict] = {}  # turn -> its `persist` / `refs` annotations, added to the turn at the end
 
     def put(i: int, key: str, v: str, **extra) -> None:
         user, assistant = pick(rng, FACTS[key], v=v, **fmt, **extra)
@@ -618,6 +661,8 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
             user = "Oh, and " + (user if re.match(r"I\b|I'", user) else user[0].lower() + user[1:])
         turns[i] = {"user": user, "assistant": assistant}
         what[i] = key
+        if key in PERSIST:
+            notes[i] = {"persist": persist_spans(key, user, v)}
 
     put(0, "name", val["name"]); evidence["name"] = [0]
     put(1, "ref", val["ref"]); evidence["ref"] = [1]
@@ -641,6 +686,9 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
                                              "I'm sorry, that shouldn't happen. I've noted it."])}
     evidence["coref"] = [i, i + 1]
     what[i] = what[i + 1] = "item"
+    notes[i] = {"persist": persist_spans("item", turns[i]["user"], val["coref"])}
+    # the follow-up's "That one" points back at the item, named in turn i
+    notes[i + 1] = {"refs": [{"span": "That one", "entity": val["coref"], "antecedent": i, "type": "demonstrative"}]}
     for k in probes[5:]:
         if k not in evidence:
             i = rng.choice(free(3, 20)); put(i, k, val[k]); evidence[k] = [i]
@@ -723,6 +771,10 @@ def make_dialogue(rng: random.Random, did: str, domain: dict, tok) -> dict:
                               "expect": [issue_a, issue_b] if k == "summary" else [answer],
                               "forbid": forced, "evidence": evidence[k], "tags": tags},
                     "values": values_in_order}  # for check(); not written out
+    for i, note in notes.items():  # after the topic labels, so each turn's keys read user, assistant, topic, ...
+        if "probe" in turns[i]:
+            raise RuntimeError(f"{did}: turn {i} is both a fact and a probe")
+        turns[i].update(note)
     return {"id": did, "domain": domain["name"], "system": system, "turns": turns}
 
 
@@ -849,6 +901,10 @@ def main() -> None:
     print(f"tokens per dialogue: min {min(lengths)} mean {statistics.mean(lengths):.0f} max {max(lengths)}")
     print(f"probes: {len(probes)}, by kind {by_kind}, by tag {by_tag}, untagged {sum(not p.tags for p in probes)}")
     print(f"probes whose choices differ in token count: {mismatched}")
+    persists = [sum(len(t.get("persist", [])) for t in d["turns"]) for d in dialogues]
+    refs = [sum(len(t.get("refs", [])) for t in d["turns"]) for d in dialogues]
+    print(f"annotations: {sum(persists)} persist spans ({statistics.mean(persists):.1f} per dialogue), "
+          f"{sum(refs)} refs ({statistics.mean(refs):.1f} per dialogue)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from memory.embedder import Embedder
 from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
-REASONS = ("entity", "topic", "similar")  # why a turn is recalled (Recalled.reason)
+REASONS = ("referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class LongTermMemory:
         self.archive = Archive.create(config.directory, config.archive)
         self.pending: list[KVSpan] = []
         self.messages: dict[tuple[int, str], str] = {}
+        self.vectors: dict[tuple[int, str], np.ndarray] = {}
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # segment id -> its turn and serials, read without I/O
         self.last: list[Recalled] = []  # what the latest recall brought back
         self.last_ms = 0.0  # memory work of the latest turn: embedding it, its recall, archiving after its reply
@@ -112,18 +113,25 @@ class LongTermMemory:
         self.pending = []
         spans = [KVSpan.cat(group) for group in by_message.values()]
         texts = [self._text(span) for span in spans]
-        vectors = self.embedder.embed(texts)
-        for span, text, vector in zip(spans, texts, vectors):
+        known = [self.vectors.get(self._message(span)) if self.config.unit == "message" else None for span in spans]
+        todo = [k for k, vector in enumerate(known) if vector is None]
+        for k, vector in zip(todo, self.embedder.embed([texts[k] for k in todo]) if todo else []):
+            known[k] = vector
+        for span, text, vector in zip(spans, texts, known):
             segment_id = self.archive.add(
                 Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
             self.kept[segment_id] = int(span.meta.turn[0]), span.serials.clone()
         self.last_ms += (time.perf_counter() - started) * 1000
 
+    @staticmethod
+    def _message(span: KVSpan) -> tuple[int, str]:
+        return int(span.meta.turn[0]), ROLE_NAMES[int(span.meta.role[0])]
+
     def _text(self, span: KVSpan) -> str:
         words = self.decode(span.meta.token.tolist())
         if self.config.unit == "span":
             return words
-        return self.messages.get((int(span.meta.turn[0]), ROLE_NAMES[int(span.meta.role[0])])) or words
+        return self.messages.get(self._message(span)) or words
 
     # --- recall ---------------------------------------------------------------------------------
     def embed_turn(self, text: str) -> np.ndarray:
@@ -133,10 +141,13 @@ class LongTermMemory:
         self.last_ms = (time.perf_counter() - started) * 1000
         return vector
 
-    def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None) -> list[Recalled]:
+    def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
+               referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget. `query`: the turn's
-        embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any."""
+        embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any;
+        `referents`: turns where what its references resolve to was last named (first of all), with the
+        entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
         started, spent = time.perf_counter(), self.last_ms
         self.settle()
         self.last = []
@@ -144,7 +155,7 @@ class LongTermMemory:
         if budget is not None and len(self.archive):
             room = int(budget * self.config.share)
             chosen: list[KVSpan] = []
-            for old_turn, reason, detail in self._candidates(query, entities, topic):
+            for old_turn, reason, detail in self._candidates(query, entities, topic, referents or {}, summarised or {}):
                 missing = self._missing(old_turn)
                 count = sum(int(mask.sum()) for _, mask in missing)
                 if not count or count > room:
@@ -162,10 +173,11 @@ class LongTermMemory:
         self.last_ms = spent + (time.perf_counter() - started) * 1000  # settle included
         return self.last
 
-    def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None) -> list[tuple[int, str, str]]:
-        """Archived turns worth recalling, each once, as (turn, reason, detail): those naming one of the
-        turn's entities first, then those of the topic it returns to or similar to it; each group by
-        similarity to the turn."""
+    def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None, referents: dict[int, str],
+                    summarised: dict[int, str]) -> list[tuple[int, str, str]]:
+        """Archived turns worth recalling, each once, as (turn, reason, detail): the referents' turns
+        first, then those naming one of the turn's entities, then those of the topic it returns to,
+        similar to it or in a keyframe like it; each group after the first by similarity to the turn."""
         scope = self.config.user_id, self.config.session_id
         similarity: dict[int, float] = {}
         for segment_id, score in self.archive.search(query, *scope, k=self.config.k * 8):
@@ -175,6 +187,7 @@ class LongTermMemory:
         def ranked(turns: dict[int, tuple[str, str]]) -> list[tuple[int, str, str]]:
             return [(t, *turns[t]) for t in sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))]
 
+        first = [(t, "referent", entity) for t, entity in sorted(referents.items(), key=lambda item: -item[0])]
         named: dict[int, tuple[str, str]] = {}
         if self.config.entities:
             for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
@@ -187,7 +200,11 @@ class LongTermMemory:
         similar = sorted((t for t, s in similarity.items() if s >= self.config.threshold), key=lambda t: -similarity[t])
         for t in similar[: self.config.k]:
             related.setdefault(t, ("similar", f"{similarity[t]:.2f}"))
-        return ranked(named) + ranked({t: why for t, why in related.items() if t not in named})
+        for t, detail in summarised.items():
+            related.setdefault(t, ("summary", detail))
+        seen = set(referents)
+        named = {t: why for t, why in named.items() if t not in seen}
+        return first + ranked(named) + ranked({t: why for t, why in related.items() if t not in named and t not in seen})
 
     def _missing(self, turn: int) -> list[tuple[int, torch.Tensor]]:
         """The archived segments of `turn` holding tokens the cache does not, each with the mask of those

@@ -26,15 +26,14 @@ from agent.chat_format import ChatFormat
 from agent.engine import Feed, prefill_packed
 from agent.eval.dialogue import Dialogue, Probe, ScriptedTurn
 from agent.eval.results import EvalResult, PolicyRun, ProbeRecord, TurnSample, merge_runs
-from agent.eval.runners import BASELINE, MEMORY, MEMORY_TEXT, Runner, make_runner
+from agent.eval.runners import BASELINE, KINDS, Runner, make_runner
 from agent.model import LoadedModel
 from agent.scoring import score_together
 from cache.policies import POLICIES, Budget
 from cache.storage import KV_DTYPES
 from memory.recall import MemoryConfig
 
-EVAL_POLICIES = (*POLICIES, *(name + kind for kind in (MEMORY, MEMORY_TEXT) for name in POLICIES if name != "full"),
-                 BASELINE)
+EVAL_POLICIES = (*POLICIES, *(name + kind for kind in KINDS[1:] for name in POLICIES if name != "full"), BASELINE)
 MODES = ("choice", "generate")
 
 

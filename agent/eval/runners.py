@@ -16,6 +16,7 @@ from agent.engine import Feed, SamplingConfig, decode
 from agent.model import LoadedModel
 from cache.storage import StorageConfig
 from cache.store import KVStore
+from memory.profile import ProfileConfig
 from memory.recall import MemoryConfig
 
 
@@ -107,6 +108,8 @@ class CacheRunner:
 BASELINE = "reprefill"
 MEMORY = "+memory"  # a policy name's suffix: that policy with long-term memory (and the topic classifier)
 MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text instead of spliced as KV (baseline)
+PALACE = "+palace"  # long-term memory steered by the entity graph, with profile and summary notes in the permanent tier
+KINDS = ("", MEMORY, MEMORY_TEXT, PALACE)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -116,8 +119,12 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
 
     if policy == BASELINE:
         return Reprefill(loaded)
-    cache_policy, _, kind = policy.partition("+")
-    if kind == MEMORY_TEXT.lstrip("+"):
+    cache_policy, plus, kind = policy.partition("+")
+    if plus + kind not in KINDS:
+        raise ValueError(f"unknown policy {policy!r}: a cache policy, optionally with {', '.join(KINDS[1:])}")
+    if plus + kind == MEMORY_TEXT:
         memory = replace(memory, reinject="text")
+    palace = plus + kind == PALACE
     return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
-                                           topics=bool(kind), memory=memory if kind else None))
+                                           topics=bool(kind), memory=memory if kind else None, graph=palace,
+                                           profile=ProfileConfig() if palace else None))

@@ -1,0 +1,292 @@
+"""Which spans of a user turn carry facts that must survive the whole dialogue (identity, contact details,
+addresses, amounts, dates, preferences and taboos), by rules plus a small learned clause classifier.
+
+- Values (identity codes, names, phones, emails, addresses, amounts, dates) are found by patterns: their
+  shapes are regular, and a pattern marks the tight value ("KL-20931", "14 Orchard Row, Leeds LS6 2AB").
+- Preferences and taboos have no shape. Rules propose every clause with a cue ("prefer", "call me",
+  "never", "please don't"); a logistic regression over the clause's words (`PreferenceModel`, trained by
+  `palace train persistence` on annotated dialogues that are not the held-out set) keeps the clauses that
+  state one, and whether it is a preference or a taboo. Without a trained model the cue rules decide.
+
+Spans are character offsets into the text, so the cache can pin the tokens that carry them."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+TYPES = ("identity", "contact", "address", "amount", "date", "preference", "taboo")
+FORMAT_VERSION = 1
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "models" / "persistence.json"
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    end: int
+    text: str
+    type: str
+    attribute: str  # what the value is of: "name", "phone", "email", "postcode", "order number", "channel", ...
+
+    def overlaps(self, other: "Span") -> bool:
+        return self.start < other.end and other.start < self.end
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- value patterns ---------------------------------------------------------------------------------
+_MONTHS = "jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?"
+_DAYS = "monday|tuesday|wednesday|thursday|friday|saturday|sunday"
+_ORDINAL = r"\d{1,2}(?:st|nd|rd|th)"
+_STREET = ("street|st|road|rd|lane|ln|close|avenue|ave|row|way|drive|dr|court|ct|place|crescent|gardens|terrace|grove|"
+           "hill|park|square|walk|mews|rise|view|parade|green|yard|wharf|boulevard|end")
+_POSTCODE = r"\b[A-Z]{1,2}\d[A-Z\d]?\s?\d[A-Z]{2}\b"  # UK shape; other countries' codes read as references
+_NUMBER_WORDS = "one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|quarter|half"
+
+VALUE_PATTERNS: list[tuple[str, str, re.Pattern]] = [  # (type, attribute, pattern); earlier wins on overlap
+    ("contact", "email", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")),
+    ("address", "address", re.compile(
+        rf"\b(?:(?i:flat|apartment|unit)\s+\d+\w?,?\s+)?\d+[a-z]?,?\s+(?:[A-Z][\w'-]*\s+){{1,3}}(?i:{_STREET})\b"
+        rf"(?:,\s*(?!(?i:{_DAYS}|now|please|and)\b)[A-Z][a-z]+(?:[ -][A-Z][a-z]+)?)?(?:,?\s+(?:{_POSTCODE}))?")),
+    ("address", "postcode", re.compile(_POSTCODE)),
+    ("contact", "phone", re.compile(r"(?<![\w-])(?:\+\d{1,3}[\s-]?)?(?:\(?0\d{2,4}\)?[\s-]?)\d{3,4}[\s-]?\d{3,4}(?![\w-])"
+                                    r"|(?<![\w-])\(?\d{3}\)?[-. ]\d{3}[-. ]\d{4}(?![\w-])")),
+    ("amount", "amount", re.compile(
+        r"[£$€]\s?\d[\d,]*(?:\.\d+)?(?:\s?(?:k|m|bn))?\b|\b\d[\d,]*(?:\.\d+)?\s?(?:pounds|quid|dollars|euros|gbp|usd|eur|p)\b",
+        re.I)),
+    ("date", "time", re.compile(
+        rf"\b(?:\d{{1,2}}(?::\d{{2}})?\s?(?:am|pm)|\d{{1,2}}:\d{{2}}|(?:half past|quarter past|quarter to)\s+(?:{_NUMBER_WORDS}|\d{{1,2}})"
+        rf"|(?:{_NUMBER_WORDS})\s+o'?clock|noon|midday)\b", re.I)),
+    ("date", "date", re.compile(
+        rf"\b(?:(?:{_DAYS})\s+)?(?:the\s+)?(?:{_ORDINAL}|\d{{1,2}})\s+(?:of\s+)?(?:{_MONTHS})\b(?:\s+\d{{4}})?"
+        rf"|\b(?:{_DAYS})\s+(?:the\s+)?{_ORDINAL}\b"
+        rf"|\b(?:{_MONTHS})\s+(?:{_ORDINAL}|\d{{1,2}})\b(?:,?\s+\d{{4}})?|\b\d{{1,2}}/\d{{1,2}}(?:/\d{{2,4}})?\b"
+        rf"|\b\d{{4}}-\d{{2}}-\d{{2}}\b|\bthe\s+{_ORDINAL}\b|\b(?:next\s+|this\s+)?(?:{_DAYS})\b", re.I)),
+    ("identity", "reference", re.compile(
+        r"(?<![\w@.-])(?=[A-Z0-9-]*\d)(?=[A-Z0-9-]*[A-Z])[A-Z0-9]{1,6}(?:[- ]?[A-Z0-9]{2,8}){1,3}(?![\w@-])"
+        r"|(?<![\w@.£$€-])\d{5,}(?![\w-])|(?<![\w-])\d{3,}(?:-\d{3,})+(?![\w-])"
+        r"|(?:(?<=ending in )|(?<=[Cc]ode )|(?<=PIN )|(?<=[Cc]ode is )|(?<=PIN is ))\d{3,8}\b")),
+]
+
+PROPER_NAME = re.compile(  # a capitalised name mid-sentence: a pet, a product, a medicine, a place
+    r"(?<=[a-z,;] )(?!(?:I|I'm|I'll|I've|I'd|OK|He's|She's|It's)\b)[A-Z][a-z'-]+"
+    r"(?:[ \t]+(?:[A-Z][a-z'-]+|\d[\d.]*(?:\s?(?:mg|ml|g|kg|GB|TB|mm|cm))?))*")
+
+# a capitalised name after a self-introduction, or the name of a named relation ("my daughter, Ellie")
+_NAME = r"[A-Z][a-z'’-]+(?:\s+(?:[A-Z][a-z'’-]+|[A-Z]\.)){0,3}"
+NAME_PATTERNS = [
+    re.compile(rf"\b(?i:my name is|my name's|name is|this is|it's|it is|i'm|i am|call me|speaking|under|"
+               rf"in the name of|named|called)\s+(?:(?i:mr|mrs|ms|miss|dr)\.?\s+)?({_NAME})"),
+    re.compile(rf"\b(?i:my|our)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|father|dad|brother|sister|"
+               rf"grandson|granddaughter|landlord|landlady|neighbour|neighbor|colleague|boss|friend|dog|cat|"
+               rf"puppy|kitten|tenant|child|kid|baby)(?:,)?\s+({_NAME})"),
+    re.compile(rf"\b({_NAME}),?\s+(?:my|our)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|father|"
+               rf"dad|brother|sister|landlord|landlady|neighbour|neighbor|dog|cat|beagle|terrier|spaniel)\b"),
+]
+_RELATION_AFTER = re.compile(r",?\s+(?i:my|our|the)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|"
+                             r"father|dad|brother|sister|dog|cat|beagle|terrier|spaniel|puppy|kitten|tom|landlord|neighbour)\b")
+_NOT_NAMES = frozenset("""i im it its the a an and but so just here there sorry yes no not thanks thank please okay ok
+hello hi hey morning afternoon evening calling ringing writing back still sure very really about afraid glad happy
+""".split())
+
+# preference and taboo cues: a clause with one is a candidate
+TABOO_CUES = re.compile(
+    r"\b(?:never|don't|do not|dont|didn't|please no|no more|not by|not on|not at|not before|not after|avoid|"
+    r"allergic|can't stand|cannot|can't|won't|hate|rather not|under no circumstances|stop (?:sending|calling|emailing)|"
+    r"no (?:calls|texts|emails|phone|letters|post|nuts|dairy|gluten))\b", re.I)
+PREFERENCE_CUES = re.compile(
+    r"\b(?:prefer|preferably|rather|call me|address me|go by|best|suits? me|works? best|would like|i'd like|"
+    r"please (?:use|send|call|text|email|write|contact|keep|put|make)|only (?:by|on|via|in)|by (?:email|text|post|phone)|"
+    r"via|always|ideally|favourite|favorite|like it|want(?:ed)? (?:it|them|a|an|the)|in (?:large print|braille)|"
+    r"only want|just (?:whatsapp|email|text|post|telegram|signal)|whatsapp|telegram|signal|viber|imessage|wechat|"
+    r"in (?-i:[A-Z][a-z]+)|"
+    r"(?:window|aisle|sea view|quiet|ground floor|vegetarian|vegan|halal|kosher))\b", re.I)
+_CLAUSE = re.compile(r"[^.!?;:,()\n—–]+")
+_LEADING = re.compile(r"^(?:and|but|or|so|also|then)\s+", re.I)
+
+
+def _clauses(text: str) -> list[tuple[int, int]]:
+    """Clause boundaries: sentence punctuation, commas, dashes; " but "/" and " inside long pieces."""
+    pieces = []
+    for match in _CLAUSE.finditer(text):
+        start, end = match.start(), match.end()
+        for sub in re.split(r"\s+(?:but|because|although|though|so|as)\s+", text[start:end]):
+            offset = text.index(sub, start) if sub else start
+            lead = len(sub) - len(sub.lstrip())
+            trimmed = sub.strip()
+            skip = _LEADING.match(trimmed)
+            if skip:
+                lead, trimmed = lead + skip.end(), trimmed[skip.end():]
+            if len(trimmed.split()) >= 2:
+                pieces.append((offset + lead, offset + lead + len(trimmed)))
+            start = offset + len(sub)
+    return pieces
+
+
+def value_spans(text: str) -> list[Span]:
+    """Values by pattern, non-overlapping (earlier patterns win)."""
+    found: list[Span] = []
+
+    def add(start: int, end: int, kind: str, attribute: str) -> None:
+        value = text[start:end].rstrip(" .,")
+        end = start + len(value)
+        span = Span(start, end, value, kind, attribute)
+        if end > start and not any(span.overlaps(other) for other in found):
+            found.append(span)
+
+    for kind, attribute, pattern in VALUE_PATTERNS:
+        for match in pattern.finditer(text):
+            add(match.start(), match.end(), kind, refine(text, match.start(), attribute))
+    for index, pattern in enumerate(NAME_PATTERNS):  # the first introduces the user; the others, a relation
+        for match in pattern.finditer(text):
+            name = match.group(1)
+            words = name.split()
+            while words and words[-1].lower().strip("'’") in _NOT_NAMES:
+                words.pop()
+            if words and words[0].lower() not in _NOT_NAMES:
+                start = match.start(1)
+                end = start + len(" ".join(words))
+                related = index > 0 or _RELATION_AFTER.match(text[end:])  # "It's Biscuit, my beagle"
+                add(start, end, "identity", "related name" if related else "name")
+    for match in PROPER_NAME.finditer(text):
+        words = match.group(0).split()
+        while words and re.fullmatch(rf"(?i:{_MONTHS}|{_DAYS}|{_DAYS[:-1]}?s?)\W*", words[0]):
+            words.pop(0)
+        if words:
+            start = match.start() + match.group(0).index(words[0])
+            add(start, start + len(" ".join(words)), "identity", "proper name")
+    return sorted(found, key=lambda s: s.start)
+
+
+_QUALIFIERS = re.compile(
+    r"\b(order|account|booking|reference|ref|policy|case|ticket|invoice|membership|member|card|claim|tracking|"
+    r"customer|contract|serial|reservation|confirmation|mobile|landline|work|home|postcode|zip)\b[\w\s#:]{0,12}$", re.I)
+
+
+def refine(text: str, start: int, attribute: str) -> str:
+    """A value's attribute, narrowed by the noun just before it: "order number ABC-123" is an "order"
+    reference, "my mobile is 07700..." a "mobile" phone."""
+    if attribute not in ("reference", "phone", "postcode"):
+        return attribute
+    match = _QUALIFIERS.search(text[max(0, start - 40):start])
+    qualifier = match.group(1).lower() if match else attribute
+    return attribute if qualifier == attribute else f"{qualifier} {attribute}"
+
+
+def cue_clauses(text: str) -> list[tuple[int, int, str]]:
+    """Clauses with a preference or taboo cue, as (start, end, type by the cue rules)."""
+    out = []
+    for start, end in _clauses(text):
+        clause = text[start:end]
+        if TABOO_CUES.search(clause):
+            out.append((start, end, "taboo"))
+        elif PREFERENCE_CUES.search(clause):
+            out.append((start, end, "preference"))
+    return out
+
+
+def clause_features(clause: str) -> str:
+    """What the clause model reads: the words, plus the cue rules' verdicts as pseudo-words."""
+    low = clause.lower()
+    flags = " ".join(f"__{name}" for name, cue in (("taboo", TABOO_CUES), ("pref", PREFERENCE_CUES)) if cue.search(low))
+    return f"{low} {flags}"
+
+
+@dataclass
+class PreferenceModel:
+    """A logistic regression over a clause's words (hashed unigrams and bigrams) that says whether a
+    cue clause states a preference, a taboo or neither. Exported as plain JSON (weights, not pickle)."""
+
+    classes: list[str]
+    coef: np.ndarray  # classes x features
+    intercept: np.ndarray
+    features: int = 2 ** 14
+
+    def vector(self, clauses: list[str]):
+        from sklearn.feature_extraction.text import HashingVectorizer
+
+        return HashingVectorizer(n_features=self.features, ngram_range=(1, 2), alternate_sign=False,
+                                 norm="l2").transform([clause_features(c) for c in clauses])
+
+    def predict(self, clauses: list[str]) -> list[str]:
+        if not clauses:
+            return []
+        logits = self.vector(clauses) @ self.coef.T + self.intercept
+        return [self.classes[i] for i in np.asarray(logits).argmax(axis=1)]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format_version": FORMAT_VERSION, "kind": "persistence-clauses",
+                                    "classes": self.classes, "features": self.features,
+                                    "intercept": self.intercept.tolist(),
+                                    "coef": {str(j): self.coef[:, j].round(5).tolist()
+                                             for j in np.nonzero(np.abs(self.coef).sum(0) > 1e-6)[0]}}))
+
+    @classmethod
+    def load(cls, path: Path) -> "PreferenceModel":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read persistence model {path}: {error}") from None
+        if raw.get("format_version") != FORMAT_VERSION or raw.get("kind") != "persistence-clauses":
+            raise ValueError(f"{path} is not a persistence model of format {FORMAT_VERSION}")
+        coef = np.zeros((len(raw["classes"]), raw["features"]))
+        for j, column in raw["coef"].items():
+            coef[:, int(j)] = column
+        return cls(raw["classes"], coef, np.asarray(raw["intercept"]), raw["features"])
+
+    @classmethod
+    def fit(cls, clauses: list[str], labels: list[str], seed: int = 0) -> "PreferenceModel":
+        from sklearn.linear_model import LogisticRegression
+
+        empty = cls(sorted(set(labels)), np.zeros(0), np.zeros(0))
+        model = LogisticRegression(C=4.0, max_iter=2000, class_weight="balanced", random_state=seed)
+        model.fit(empty.vector(clauses), labels)
+        coef = model.coef_ if len(model.classes_) > 2 else np.vstack([-model.coef_[0], model.coef_[0]])
+        intercept = model.intercept_ if len(model.classes_) > 2 else np.array([-model.intercept_[0], model.intercept_[0]])
+        return cls(list(model.classes_), coef, intercept)
+
+
+@lru_cache(maxsize=1)
+def default_model() -> PreferenceModel | None:
+    return PreferenceModel.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else None
+
+
+class PersistenceMarker:
+    """Marks a user turn's must-survive spans. `model`: the clause classifier (None: cue rules only)."""
+
+    def __init__(self, model: PreferenceModel | None = None):
+        self.model = model
+
+    @classmethod
+    def default(cls) -> "PersistenceMarker":
+        return cls(default_model())
+
+    def mark(self, text: str) -> list[Span]:
+        spans = value_spans(text)
+        candidates = [c for c in cue_clauses(text)]
+        verdicts = self.model.predict([text[s:e] for s, e, _ in candidates]) if self.model else [t for *_, t in candidates]
+        for (start, end, _), verdict in zip(candidates, verdicts):
+            if verdict in ("preference", "taboo"):
+                spans.append(Span(start, end, text[start:end], verdict, channel(text[start:end]) or verdict))
+        return sorted(spans, key=lambda s: (s.start, -s.end))
+
+
+_CHANNELS = re.compile(r"\b(email|e-mail|text|sms|phone|call|ring|post|letter|whatsapp|app|voicemail)", re.I)
+
+
+_FORM_OF_ADDRESS = re.compile(r"\b(?i:call me|address me as|go by|known as)\s+(?:(?i:mr|mrs|ms|miss|dr)\.?\s+)?[A-Z]")
+
+
+def channel(clause: str) -> str | None:
+    """The attribute a preference or taboo is about when it has one a later statement can supersede:
+    how to be addressed ("call me Sam"), or the contact channel ("never by phone")."""
+    if _FORM_OF_ADDRESS.search(clause):
+        return "form of address"
+    return "channel" if _CHANNELS.search(clause) else None

@@ -1,0 +1,141 @@
+"""What must persist (issue 11): the persistence marker, the entity graph's facts and corrections, rule
+coreference, and the notes (profile and running summary) that live in the permanent tier as KV. Real
+components: the rules and the scikit-learn clause model, networkx, the embedded SmolLM2 and MiniLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agent import Agent, AgentConfig
+from agent.agent import NOTES_TURN
+from classifiers.persistence import PersistenceMarker, PreferenceModel
+from memory.graph import EntityGraph
+from memory.profile import ProfileConfig, render
+from memory.recall import MemoryConfig
+from memory.summaries import RunningSummary
+from tests.helpers import ask, teacher_force
+
+
+def rules_graph() -> EntityGraph:
+    return EntityGraph(PersistenceMarker(None))
+
+
+def test_a_stated_order_number_and_contact_details_are_marked_persistent():
+    text = "Hi, my name is Freya Moreau, order number KL-20931. Please never phone me; email freya.m@example.org."
+    spans = {(s.type, s.attribute, s.text) for s in PersistenceMarker(None).mark(text)}
+    assert ("identity", "order reference", "KL-20931") in spans
+    assert ("identity", "name", "Freya Moreau") in spans
+    assert ("contact", "email", "freya.m@example.org") in spans
+    assert any(kind == "taboo" and "never phone me" in value for kind, _, value in spans)
+    assert not PersistenceMarker(None).mark("What are your opening hours on a bank holiday?")
+
+
+def test_a_corrected_address_supersedes_the_old_one_which_stays_queryable():
+    graph = rules_graph()
+    graph.observe(0, "I'm Dana Whitfield and we live at 37 Larch Close, Bristol BS3 4QT.")
+    graph.observe(4, "Sorry, wrong address: it's 70 Poplar Lane, Bristol BS3 4QT, not 37 Larch Close.")
+    current = {(f.attribute, f.value) for f in graph.current_facts()}
+    assert ("address", "70 Poplar Lane, Bristol BS3 4QT") in current
+    assert not any("Larch" in value for _, value in current)
+    old = [f for f in graph.superseded() if "Larch" in f.value]
+    assert old and old[0].valid_from_turn == 0 and old[0].invalid_from_turn == 4
+    assert old[0].superseded_by == "70 Poplar Lane, Bristol BS3 4QT"
+    edge = next(d for _, _, d in graph.graph.out_edges("user", data=True)
+                if d["kind"] == "fact" and d["valid_from_turn"] == 0 and d["attribute"] == "address")
+    assert edge["invalid_from_turn"] == 4  # the edge is kept, its validity closed
+
+    profile = render(graph, None, lambda text: len(text.split()), cap=60)
+    assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected, not 37 Larch Close, Bristol BS3 4QT)" in profile
+    assert "Address: 37 Larch" not in profile
+
+
+def test_a_partial_correction_patches_the_value_it_denies():
+    graph = rules_graph()
+    graph.observe(0, "We're at 14 Larkspur Close, Otley, LS21 2QE now.")
+    graph.observe(1, "Oh, sorry, it's 2QF, not 2QE.")
+    assert "14 Larkspur Close, Otley, LS21 2QF" in {f.value for f in graph.current_facts()}
+    assert "14 Larkspur Close, Otley, LS21 2QE" in {f.value for f in graph.superseded()}
+
+
+def test_it_and_there_resolve_to_the_parcel_and_the_address():
+    graph = rules_graph()
+    graph.observe(0, "My parcel from Hallam Books never arrived.")
+    graph.mention(0, "I'm sorry. Which address should the parcel go to?")
+    graph.observe(1, "My sister's flat, 9 Mill Street, Leeds LS2 7EW.")
+    graph.mention(1, "Thanks, noted.")
+    resolved = {r.span: (r.entity, r.antecedent, r.type) for r in graph.observe(2, "Can you send it there?")[1]}
+    assert resolved["it"][0] == "parcel" and resolved["it"][1] == 0
+    assert resolved["there"] == ("9 Mill Street, Leeds LS2 7EW", 1, "pronoun")
+
+
+def test_a_relation_resolves_to_the_person_introduced_with_it():
+    graph = rules_graph()
+    graph.observe(0, "The booking is for me and my daughter Ellie.")
+    resolved = graph.observe(3, "Can my daughter sit by the window? She gets travel sick.")[1]
+    assert [(r.span, r.entity, r.antecedent) for r in resolved][:2] == [("my daughter", "Ellie", 0), ("She", "Ellie", 0)]
+
+
+def test_the_clause_model_round_trips_through_json(tmp_path):
+    clauses = ["please never phone me", "never call me at work", "I prefer email", "email is best for me",
+               "what if they can't fix it", "I never got the parcel", "by WhatsApp please", "letters in Greek please"]
+    labels = ["taboo", "taboo", "preference", "preference", "none", "none", "preference", "preference"]
+    model = PreferenceModel.fit(clauses, labels)
+    model.save(tmp_path / "p.json")
+    loaded = PreferenceModel.load(tmp_path / "p.json")
+    assert loaded.predict(clauses) == model.predict(clauses)
+    assert sum(a == b for a, b in zip(model.predict(clauses), labels)) >= 7
+    (tmp_path / "bad.json").write_text('{"format_version": 99}')
+    with pytest.raises(ValueError, match="not a persistence model"):
+        PreferenceModel.load(tmp_path / "bad.json")
+
+
+def test_a_keyframe_closes_every_n_turns_with_the_blocks_central_turn():
+    summary = RunningSummary(every=3)
+    vectors = [np.array([1.0, 0.0]), np.array([0.8, 0.6]), np.array([0.0, 1.0])]
+    texts = ["Hello! My boiler is leaking from the bottom valve.", "It started on Monday night.", "Anyway."]
+    frames = [summary.add(t, text, v) for t, (text, v) in enumerate(zip(texts, vectors))]
+    assert frames[:2] == [None, None] and frames[2].first_turn == 0 and frames[2].last_turn == 2
+    assert frames[2].text == "It started on Monday night."  # closest to the block's mean
+    assert summary.search(np.array([0.7, 0.7]), 0.9)[0][0] is frames[2]
+
+
+SCRIPT = [("Hi, I'm Dana Whitfield, order BX-40912. My boiler stopped working.", "Sorry to hear that, Dana."),
+          ("Our address is 37 Larch Close, Bristol BS3 4QT.", "Thanks, noted."),
+          ("Please never phone me at work.", "Understood, no calls at work."),
+          ("Sorry, wrong address: it's 70 Poplar Lane, Bristol BS3 4QT, not 37 Larch Close.", "Updated."),
+          ("The engineer can come on Tuesday.", "Booked for Tuesday."),
+          ("Can you send the invoice there as well?", "Yes, it will go there.")]
+
+
+def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
+    budget = 200
+    agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=budget, memory=MemoryConfig(), graph=True,
+                                        profile=ProfileConfig(share=0.3)))
+    seen = []
+    for user, reply in SCRIPT:
+        teacher_force(agent, user, reply)
+        notes = agent.store.meta.turn == NOTES_TURN
+        ids = agent.store.meta.token[notes].tolist()
+        assert agent.store.length <= budget
+        assert int(notes.sum()) <= ProfileConfig(share=0.3).cap(budget) + 12  # the text's cap plus its framing
+        assert bool(notes.any()) and agent.format.decode(ids).strip().endswith(agent.notes.strip())
+        assert bool(torch.all(torch.diff(torch.nonzero(notes).flatten()) == 1))  # one block: replaced, not appended
+        seen.append(agent.notes)
+    assert "70 Poplar Lane" in agent.notes and "37 Larch Close (" not in agent.notes.split("corrected")[0]
+    assert len(set(seen)) > 1
+    stats = agent.stats()
+    assert stats["notes_tokens"] == int((agent.store.meta.turn == NOTES_TURN).sum())
+    assert any(r["span"] == "there" and "Poplar" in r["entity"] for r in stats["graph"]["resolutions"])
+
+
+def test_a_corrected_value_wins_over_the_old_one_with_the_notes(embedded):
+    """With the notes, the probe's current address outscores the superseded one."""
+    agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=200, memory=MemoryConfig(), graph=True,
+                                        profile=ProfileConfig()))
+    for user, reply in SCRIPT[:5]:
+        teacher_force(agent, user, reply)
+    ask(agent, "Which address do you have for me now?")
+    new, old = agent.score(["Your address is 70 Poplar Lane, Bristol BS3 4QT.", "Your address is 37 Larch Close, Bristol BS3 4QT."])
+    assert new > old
