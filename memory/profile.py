@@ -1,14 +1,17 @@
 """The notes the permanent tier carries: a profile of the user's current facts (from the entity graph)
 and the running summary, as one short text within a token cap.
 
-The profile lists current values only as values; a corrected one says what it replaced ("(corrected,
-not 2QE)"), so the model reads which is current. Lines are taken in priority order (who the user is,
-how to reach them and how not, where they live, their references, other preferences and taboos, then
-amounts and dates, newest first, then the summary) until the cap is reached: the notes never grow past
-their share of the budget, and they are replaced, not appended, when they change."""
+The profile lists current values only; a corrected one is marked "(corrected)" (optionally with the value
+it replaced), so the model reads which is current; the superseded values stay in the graph, queryable.
+Preferences and taboos are the user's own words ("Asked: never phone me at work"). Lines are taken in
+priority order (who the user is, how to reach them and how not, where they live, their references, other
+preferences and taboos, then amounts and dates, newest first, then the summary) until the cap is reached:
+the notes never grow past their share of the budget, and they are replaced, not appended, when they
+change."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,10 +22,10 @@ from memory.summaries import RunningSummary
 @dataclass(frozen=True)
 class ProfileConfig:
     share: float = 0.08  # of the budget: the most tokens the notes take (the permanent tier is 5-10 %)
-    min_tokens: int = 48  # the cap when the budget is small or unbounded
+    min_tokens: int = 64  # the cap when the budget is small
     max_tokens: int = 160
     summary_every: int = 5  # user turns per running-summary keyframe
-    superseded: bool = True  # say what a corrected value replaced
+    superseded: bool = False  # also say what a corrected value replaced ("corrected, not 2QE"), not just "corrected"
 
     def __post_init__(self) -> None:
         if not 0 < self.share < 0.5:
@@ -34,29 +37,35 @@ class ProfileConfig:
         return max(self.min_tokens, min(self.max_tokens, int(budget * self.share)))
 
 
-LABELS = {"name": "Name", "preference:form of address": "Address them as", "taboo:channel": "Never",
-          "preference:channel": "Contact", "address": "Address", "postcode": "Postcode", "email": "Email",
+LABELS = {"name": "Name", "preference:form of address": "Asked", "taboo:channel": "Asked",
+          "preference:channel": "Asked", "address": "Address", "postcode": "Postcode", "email": "Email",
           "phone": "Phone", "related name": "Also named"}
 ORDER = ("name", "preference:form of address", "taboo:channel", "preference:channel", "address", "postcode",
-         "email", "phone", "mobile phone", "related name")
+         "email", "phone", "mobile phone")
 
 
 def _rank(fact: Fact) -> tuple[int, int]:
+    """Who the user is and how to reach them first, then their reference numbers, preferences and taboos,
+    other addresses, amounts and dates, and last the other names mentioned; newest first within each."""
     if fact.attribute in ORDER:
         return ORDER.index(fact.attribute), -fact.valid_from_turn
-    group = {"contact": 8, "identity": 10, "preference": 11, "taboo": 11, "address": 12, "amount": 13, "date": 14}
-    return len(ORDER) + group.get(fact.type, 15), -fact.valid_from_turn
+    if fact.attribute.endswith("reference"):
+        return len(ORDER), -fact.valid_from_turn
+    group = {"contact": 1, "preference": 2, "taboo": 2, "address": 3, "amount": 4, "date": 5, "identity": 6}
+    return len(ORDER) + group.get(fact.type, 7), -fact.valid_from_turn
+
+
+_PLEASE = re.compile(r"^(?:please|pls|and|also|oh)[\s,]+", re.I)
 
 
 def _line(fact: Fact, graph: EntityGraph, superseded: bool) -> str:
-    label = LABELS.get(fact.attribute) or fact.attribute.split(":")[-1].capitalize()
-    if fact.type in ("preference", "taboo") and fact.attribute not in LABELS:
-        label = "Prefers" if fact.type == "preference" else "Avoid"
-    line = f"{label}: {fact.value}"
-    if superseded:
-        old = [f.value for f in graph.superseded() if f.superseded_by == fact.value]
-        if old:
-            line += f" (corrected, not {old[-1]})"
+    label = LABELS.get(fact.attribute) or ("Asked" if fact.type in ("preference", "taboo")
+                                           else fact.attribute.split(":")[-1].capitalize())
+    value = _PLEASE.sub("", fact.value) if fact.type in ("preference", "taboo") else fact.value
+    line = f"{label}: {value}"
+    old = [f.value for f in graph.superseded() if f.superseded_by == fact.value]
+    if old:
+        line += f" (corrected, not {old[-1]})" if superseded else " (corrected)"
     return line
 
 
@@ -68,11 +77,11 @@ def current_wording(text: str, graph: EntityGraph | None) -> str:
     return text
 
 
-SUMMARY_SHARE = 0.4  # of the cap, kept for the running summary once there is one
+SUMMARY_SHARE = 0.3  # of the cap, kept for the running summary once there is one
 
 
 def render(graph: EntityGraph | None, summary: RunningSummary | None, count: Callable[[str], int], cap: int,
-           superseded: bool = True) -> str:
+           superseded: bool = False) -> str:
     """The notes' text, at most `cap` tokens as `count` measures them ("" when there is nothing): facts
     in priority order within what the summary leaves, then the summary's newest keyframes that fit."""
     frames = [current_wording(frame, graph) for frame in summary.texts()] if summary is not None else []

@@ -146,8 +146,7 @@ class LongTermMemory:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget. `query`: the turn's
         embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any;
-        `referents`: turns where what its references resolve to was last named (first of all), with the
-        entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
+        `referents`: turns where what its references resolve to was last named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
         started, spent = time.perf_counter(), self.last_ms
         self.settle()
         self.last = []
@@ -175,9 +174,10 @@ class LongTermMemory:
 
     def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None, referents: dict[int, str],
                     summarised: dict[int, str]) -> list[tuple[int, str, str]]:
-        """Archived turns worth recalling, each once, as (turn, reason, detail): the referents' turns
-        first, then those naming one of the turn's entities, then those of the topic it returns to,
-        similar to it or in a keyframe like it; each group after the first by similarity to the turn."""
+        """Archived turns worth recalling, each once, as (turn, reason, detail): those naming one of the
+        turn's entities first (an exact match), then the turns its references resolve to (rules, less
+        sure), then those of the topic it returns to, similar to it or in a keyframe like it; each group
+        by similarity to the turn."""
         scope = self.config.user_id, self.config.session_id
         similarity: dict[int, float] = {}
         for segment_id, score in self.archive.search(query, *scope, k=self.config.k * 8):
@@ -187,7 +187,6 @@ class LongTermMemory:
         def ranked(turns: dict[int, tuple[str, str]]) -> list[tuple[int, str, str]]:
             return [(t, *turns[t]) for t in sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))]
 
-        first = [(t, "referent", entity) for t, entity in sorted(referents.items(), key=lambda item: -item[0])]
         named: dict[int, tuple[str, str]] = {}
         if self.config.entities:
             for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
@@ -202,9 +201,9 @@ class LongTermMemory:
             related.setdefault(t, ("similar", f"{similarity[t]:.2f}"))
         for t, detail in summarised.items():
             related.setdefault(t, ("summary", detail))
-        seen = set(referents)
-        named = {t: why for t, why in named.items() if t not in seen}
-        return first + ranked(named) + ranked({t: why for t, why in related.items() if t not in named and t not in seen})
+        resolved = {t: ("referent", entity) for t, entity in referents.items() if t not in named}
+        return ranked(named) + ranked(resolved) + ranked(
+            {t: why for t, why in related.items() if t not in named and t not in resolved})
 
     def _missing(self, turn: int) -> list[tuple[int, torch.Tensor]]:
         """The archived segments of `turn` holding tokens the cache does not, each with the mask of those

@@ -47,8 +47,9 @@ def test_a_corrected_address_supersedes_the_old_one_which_stays_queryable():
     assert edge["invalid_from_turn"] == 4  # the edge is kept, its validity closed
 
     profile = render(graph, None, lambda text: len(text.split()), cap=60)
-    assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected, not 37 Larch Close, Bristol BS3 4QT)" in profile
-    assert "Address: 37 Larch" not in profile
+    assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected)" in profile and "Larch" not in profile
+    detailed = render(graph, None, lambda text: len(text.split()), cap=60, superseded=True)
+    assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected, not 37 Larch Close, Bristol BS3 4QT)" in detailed
 
 
 def test_a_partial_correction_patches_the_value_it_denies():
@@ -110,7 +111,7 @@ SCRIPT = [("Hi, I'm Dana Whitfield, order BX-40912. My boiler stopped working.",
 
 
 def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
-    budget = 200
+    budget = 300
     agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=budget, memory=MemoryConfig(), graph=True,
                                         profile=ProfileConfig(share=0.3)))
     seen = []
@@ -123,7 +124,7 @@ def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
         assert bool(notes.any()) and agent.format.decode(ids).strip().endswith(agent.notes.strip())
         assert bool(torch.all(torch.diff(torch.nonzero(notes).flatten()) == 1))  # one block: replaced, not appended
         seen.append(agent.notes)
-    assert "70 Poplar Lane" in agent.notes and "37 Larch Close (" not in agent.notes.split("corrected")[0]
+    assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected)" in agent.notes and "Larch" not in agent.notes
     assert len(set(seen)) > 1
     stats = agent.stats()
     assert stats["notes_tokens"] == int((agent.store.meta.turn == NOTES_TURN).sum())
@@ -132,8 +133,8 @@ def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
 
 def test_a_corrected_value_wins_over_the_old_one_with_the_notes(embedded):
     """With the notes, the probe's current address outscores the superseded one."""
-    agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=200, memory=MemoryConfig(), graph=True,
-                                        profile=ProfileConfig()))
+    agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=300, memory=MemoryConfig(), graph=True,
+                                        profile=ProfileConfig(share=0.25)))
     for user, reply in SCRIPT[:5]:
         teacher_force(agent, user, reply)
     ask(agent, "Which address do you have for me now?")
