@@ -89,7 +89,7 @@ def chat(
             typer.echo("(conversation reset)")
             continue
         if message == "/stats":
-            typer.echo(" ".join(f"{key}={value}" for key, value in agent.stats().items()))
+            typer.echo("\n".join(stats_lines(agent.stats())))
             continue
         if message == "/memory":
             typer.echo("\n".join(memory_lines(agent)))
@@ -98,6 +98,26 @@ def chat(
         for piece in agent.stream(message):
             typer.echo(piece, nl=False)
         typer.echo("")
+
+
+def stats_lines(stats: dict, indent: str = "") -> list[str]:
+    """`/stats` as a readable table: one aligned row per figure, nested figures indented under their name,
+    lists one item per row (the notes' text is shown by /memory)."""
+    lines = []
+    width = max((len(key) for key in stats), default=0)
+    for key, value in stats.items():
+        if key == "notes":
+            continue
+        if isinstance(value, dict):
+            lines.append(f"{indent}{key}")
+            lines += stats_lines(value, indent + "  ")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            lines.append(f"{indent}{key}")
+            lines += [f"{indent}  - " + ", ".join(f"{k} {v}" for k, v in item.items()) for item in value]
+        else:
+            shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+            lines.append(f"{indent}{key:<{width}}  {shown}")
+    return lines
 
 
 def memory_lines(agent) -> list[str]:
@@ -232,14 +252,14 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="Small sizes (histories 256 and 1024): a smoke run."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write every row as JSON here."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
-    parts: str = typer.Option("ab", "--parts", help="a (engine speed), b (KV strategies) or ab."),
+    parts: str = typer.Option("ab", "--parts", help="Letters of abc: a (engine speed), b (KV strategies), c (memory work per turn)."),
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
     from agent.bench.bench import BenchConfig, run_bench
 
-    if not parts or set(parts) - set("ab"):
-        raise UserError(f"--parts takes a, b or ab, got {parts!r}")
+    if not parts or set(parts) - set("abc"):
+        raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
     config = BenchConfig.preset(quick, threads=threads, parts=parts)
     make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)

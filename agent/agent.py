@@ -184,7 +184,7 @@ class Agent:
         if self.graph is not None:
             started = time.perf_counter()
             turn.resolutions = self.graph.observe(turn.index, text)[1]
-            self._charge(started)
+            self._charge("graph", started)
         if self.memory is not None:
             self.memory.messages[(turn.index, "user")] = text
             self.memory.vectors[(turn.index, "user")] = turn.embedding
@@ -236,12 +236,12 @@ class Agent:
             self.graph.mention(turn.index, turn.reply)
         if self.summary is not None and turn.embedding is not None:
             self.summary.add(turn.index, turn.text, turn.embedding)
-        self._charge(started)
+        self._charge("graph_reply", started)
 
-    def _charge(self, started: float) -> None:
+    def _charge(self, step: str, started: float) -> None:
         """Count graph and notes work since `started` as the turn's memory work."""
         if self.memory is not None:
-            self.memory.last_ms += (time.perf_counter() - started) * 1000
+            self.memory.charge(step, started)
 
     def settle(self) -> None:
         """Archive what the turn's feeds evicted (callers that feed themselves call this after)."""
@@ -283,7 +283,7 @@ class Agent:
             with torch.inference_mode():
                 self.store.keep(torch.nonzero(~old).flatten())
         self.notes = notes
-        self._charge(started)
+        self._charge("notes", started)
         return notes
 
     def score(self, choices: list[str]) -> list[float]:

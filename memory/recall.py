@@ -90,7 +90,7 @@ class LongTermMemory:
         self.vectors: dict[tuple[int, str], np.ndarray] = {}
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # segment id -> its turn and serials, read without I/O
         self.last: list[Recalled] = []  # what the latest recall brought back
-        self.last_ms = 0.0  # memory work of the latest turn: embedding it, its recall, archiving after its reply
+        self.steps: dict[str, float] = {}  # the latest turn's memory work in ms, by step (see STEPS)
         store.on_evict = self.evicted
 
     # --- archiving ------------------------------------------------------------------------------
@@ -121,7 +121,17 @@ class LongTermMemory:
             segment_id = self.archive.add(
                 Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
             self.kept[segment_id] = int(span.meta.turn[0]), span.serials.clone()
-        self.last_ms += (time.perf_counter() - started) * 1000
+        self.charge("archive", started)
+
+    @property
+    def last_ms(self) -> float:
+        """Memory work of the latest turn: embedding it, its recall, archiving after its reply (and the
+        graph and notes work the agent charges)."""
+        return sum(self.steps.values())
+
+    def charge(self, step: str, started: float) -> None:
+        """Count the time since `started` (time.perf_counter()) as the turn's work of `step`."""
+        self.steps[step] = self.steps.get(step, 0.0) + (time.perf_counter() - started) * 1000
 
     @staticmethod
     def _message(span: KVSpan) -> tuple[int, str]:
@@ -138,7 +148,8 @@ class LongTermMemory:
         """The user's turn as the query (the topic classifier shares it); starts the turn's memory clock."""
         started = time.perf_counter()
         vector = self.embedder.embed(text)[0]
-        self.last_ms = (time.perf_counter() - started) * 1000
+        self.steps = {}
+        self.charge("embed", started)
         return vector
 
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
@@ -147,8 +158,8 @@ class LongTermMemory:
         splice their missing KV into the store, within `share` of the budget. `query`: the turn's
         embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any;
         `referents`: turns where what its references resolve to was last named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
-        started, spent = time.perf_counter(), self.last_ms
         self.settle()
+        started = time.perf_counter()
         self.last = []
         budget = self.store.policy.budget
         if budget is not None and len(self.archive):
@@ -163,13 +174,15 @@ class LongTermMemory:
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
             chosen.sort(key=lambda s: int(s.serials.min()))
+            self.charge("search", started)
+            started = time.perf_counter()
             if chosen and self.config.reinject == "kv":
                 self.store.inject(chosen, turn, self.config.placement)
             elif chosen:  # the baseline: the same tokens re-encoded after the cache, as a note
                 span = KVSpan.cat(chosen)
                 self.feed(span.meta.token.tolist(), turn)
                 self.store.mark_recalled(span.meta, turn)
-        self.last_ms = spent + (time.perf_counter() - started) * 1000  # settle included
+        self.charge("splice", started)
         return self.last
 
     def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None, referents: dict[int, str],
@@ -225,7 +238,8 @@ class LongTermMemory:
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),
-                "recalled": [r.as_dict() for r in self.last], "memory_ms": round(self.last_ms, 2)}
+                "recalled": [r.as_dict() for r in self.last], "memory_ms": round(self.last_ms, 2),
+                "memory_ms_by_step": {step: round(ms, 2) for step, ms in self.steps.items()}}
 
     def close(self) -> None:
         self.archive.close()

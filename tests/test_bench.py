@@ -149,3 +149,17 @@ def test_preset_quick_is_smaller():
     assert max(quick.histories) < max(full.histories) and quick.new_tokens < full.new_tokens
     assert max(full.histories) + full.decode_tokens + full.warmup_tokens + 2 <= 8192  # SmolLM2's positions
     assert BenchConfig.preset(True, threads=1).threads == 1
+
+
+def test_part_c_reports_every_step_of_the_memory_palace_against_the_hybrid(embedded):
+    from agent.bench.memory_part import ON_CLOCK, part_c, render_part_c
+
+    result = part_c(embedded, 8, lambda message: None)
+    palace, hybrid = result["runs"]["hybrid+palace"], result["runs"]["hybrid"]
+    assert result["turns"] == 8 and result["budget_tokens"] == max(64, result["full_tokens"] // 4)
+    assert set(palace["steps"]) >= {"embed", "graph", "search", "archive", "notes"} and not hybrid["steps"]
+    assert palace["on_clock_ms"]["p50"] <= palace["memory_ms"]["p50"] + 1e-9
+    assert palace["steps"]["embed"]["p50"] > 0 and hybrid["memory_ms"] == {}
+    assert result["ttft_p95_vs_hybrid"] == palace["ttft_ms"]["p95"] / hybrid["ttft_ms"]["p95"]
+    text = "\n".join(render_part_c(result))
+    assert "all memory work" in text and all(step in text for step in ON_CLOCK if step in palace["steps"])

@@ -13,13 +13,16 @@ def palace(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
 
 def test_piped_chat_streams_replies_and_answers_commands():
     done = palace("chat", "--max-new-tokens", "6", "--budget", "256",
-                  stdin="Hello, my name is Dana.\n/stats\n/reset\n/stats\n/quit\nnever read\n")
+                  stdin="Hello, my name is Dana Whitfield.\n/stats\n/memory\n/reset\n/stats\n/quit\nnever read\n")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("palace> ") and len(lines[0]) > len("palace> ")
-    stats = [line for line in lines if line.startswith("kv_tokens=")]
-    assert len(stats) == 2 and "policy=hybrid" in stats[0] and "budget=256" in stats[0] and "turns=1" in stats[0]
-    assert "turns=0" in stats[1] and "(conversation reset)" in lines
+    rows = [line.split() for line in lines if not line.startswith(" ")]
+    stats = [dict(row[:2] for row in rows[k:k + 12] if len(row) == 2) for k, row in enumerate(rows) if row[:1] == ["kv_tokens"]]
+    assert len(stats) == 2 and stats[0]["policy"] == "hybrid" and stats[0]["budget"] == "256" and stats[0]["turns"] == "1"
+    assert stats[1]["turns"] == "0" and "(conversation reset)" in lines
+    assert "fact  name: 'Dana Whitfield' (from turn 0, current)" in lines  # /memory shows the graph's facts
+    assert any(line.strip() == "Name: Dana Whitfield" for line in lines)  # and the notes in the permanent tier
     assert "Traceback" not in done.stderr
 
 

@@ -57,12 +57,13 @@ class BenchConfig:
     kv_rows: tuple[str, ...] = KV_ROWS
     weights: tuple[str, ...] = ("int8", "int4")  # Part A quantized-weight rows and agreement, beside float32
     threads: int | None = None
-    parts: str = "ab"
+    parts: str = "ab"  # a: engine vs generate(); b: KV strategies; c: memory work per turn (agent/bench/memory_part.py)
+    memory_turns: int | None = None  # Part C: the dialogue's first this many turns (None: all 50)
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> "BenchConfig":
         base = cls(prompt_tokens=128, new_tokens=16, repeats=1, histories=(256, 1024), decode_tokens=8,
-                   nocache_work=1024, chunk=256, turn_tokens=64, hybrid_budget=256) if quick else cls()
+                   nocache_work=1024, chunk=256, turn_tokens=64, hybrid_budget=256, memory_turns=20) if quick else cls()
         return base if not overrides else BenchConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
 
 
@@ -498,6 +499,12 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
         turns = dialogue_turns(tokenizer, max(config.histories), config.turn_tokens)
         result["part_b"] = part_b(model, turns, config, log)
         echo("\n".join(render_part_b(result["part_b"])))
+    if "c" in config.parts:
+        from agent.bench.memory_part import part_c, render_part_c
+
+        echo("\nPart C: memory work per turn, hybrid+palace against the hybrid alone (same dialogue, same run)")
+        result["part_c"] = part_c(loaded, config.memory_turns, log)
+        echo("\n".join(render_part_c(result["part_c"])))
     result["seconds"] = time.perf_counter() - started
     result["load_average_end"] = os.getloadavg()
     echo(f"\n{result['seconds']:.0f} s · load average now {', '.join(f'{x:.1f}' for x in os.getloadavg())}"

@@ -1,0 +1,86 @@
+"""`palace bench --parts c`: the memory palace's work per turn, by step, over a scripted dialogue, against
+the same dialogue run by the hybrid without memory in the same process (the baseline).
+
+The dialogue is the first of `data/dialogues.jsonl` (the generator's, never the held-out set), fed by
+teacher forcing through the Agent's own steps at a quarter of its full length as the budget, like
+`palace eval --budget 25%`. Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's
+words), `graph` (facts, references), `search` (FAISS and the archive's metadata), `splice` (re-injecting
+KV, with the eviction that makes room); after the reply `graph_reply` (the reply's mentions, the running
+summary), `archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed,
+dropping its old KV; the new notes' forward is part of the reply's feed)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+ON_CLOCK = ("embed", "graph", "search", "splice")
+STEPS = (*ON_CLOCK, "graph_reply", "archive", "notes")
+
+
+def scripted_turns(path: Path, limit: int | None) -> tuple[str | None, list[tuple[str, str]]]:
+    dialogue = json.loads(path.read_text().splitlines()[0])
+    turns = [(t["user"], t["assistant"]) for t in dialogue["turns"]]
+    return dialogue.get("system"), turns[:limit] if limit else turns
+
+
+def percentiles(values: list[float]) -> dict:
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))} if values else {}
+
+
+def part_c(loaded, turns_limit: int | None, log: Callable[[str], None]) -> dict:
+    from agent.agent import Agent, AgentConfig
+    from agent.chat_format import ChatFormat
+    from memory.profile import ProfileConfig
+    from memory.recall import MemoryConfig
+
+    system, turns = scripted_turns(ROOT / "data" / "dialogues.jsonl", turns_limit)
+    fmt = ChatFormat.from_tokenizer(loaded.tokenizer)
+    full = len(fmt.system_prompt(system)) + sum(len(fmt.user_message(u)) + len(fmt.assistant_reply(a)) +
+                                                 len(fmt.next_user_header()) for u, a in turns)
+    budget = max(64, full // 4)
+    runs = {}
+    for name, extra in (("hybrid", {}), ("hybrid+palace", dict(memory=MemoryConfig(), topics=True, graph=True,
+                                                                profile=ProfileConfig()))):
+        agent = Agent(loaded, AgentConfig(policy="hybrid", budget_tokens=budget, system=system, **extra))
+        ttft, steps, totals = [], {step: [] for step in STEPS}, []
+        for user, reply in turns:
+            started = time.perf_counter()
+            turn = agent.observe(user)
+            agent.recall(turn)
+            agent.prefill(turn)
+            ttft.append((time.perf_counter() - started) * 1000)
+            agent.remember(turn, reply)
+            if agent.memory is not None:
+                for step in STEPS:
+                    steps[step].append(agent.memory.steps.get(step, 0.0))
+                totals.append(agent.memory.last_ms)
+        runs[name] = {"ttft_ms": percentiles(ttft), "memory_ms": percentiles(totals),
+                      "on_clock_ms": percentiles([sum(steps[s][i] for s in ON_CLOCK) for i in range(len(totals))]),
+                      "steps": {step: percentiles(values) for step, values in steps.items() if values}}
+        log(f"  {name}: {len(turns)} turns at a {budget}-token budget")
+    base, palace = runs["hybrid"]["ttft_ms"], runs["hybrid+palace"]["ttft_ms"]
+    return {"turns": len(turns), "budget_tokens": budget, "full_tokens": full, "runs": runs,
+            "ttft_p95_vs_hybrid": palace["p95"] / base["p95"], "ttft_p50_vs_hybrid": palace["p50"] / base["p50"]}
+
+
+def render_part_c(result: dict) -> list[str]:
+    palace = result["runs"]["hybrid+palace"]
+    hybrid = result["runs"]["hybrid"]
+    lines = [f"{result['turns']} turns of data/dialogues.jsonl #1 at a {result['budget_tokens']}-token budget "
+             f"(25 % of {result['full_tokens']})", f"  {'step':22} {'p50 ms':>8} {'p95 ms':>8}"]
+    for step, row in palace["steps"].items():
+        lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):22} "
+                     f"{row['p50']:>8.1f} {row['p95']:>8.1f}")
+    lines.append(f"  {'on the clock':22} {palace['on_clock_ms']['p50']:>8.1f} {palace['on_clock_ms']['p95']:>8.1f}")
+    lines.append(f"  {'all memory work':22} {palace['memory_ms']['p50']:>8.1f} {palace['memory_ms']['p95']:>8.1f}"
+                 f"   (target: under 30 ms p95)")
+    lines.append(f"  time to first token: hybrid p50 {hybrid['ttft_ms']['p50']:.0f} / p95 {hybrid['ttft_ms']['p95']:.0f} ms, "
+                 f"hybrid+palace {palace['ttft_ms']['p50']:.0f} / {palace['ttft_ms']['p95']:.0f} ms "
+                 f"({result['ttft_p50_vs_hybrid']:.2f}x / {result['ttft_p95_vs_hybrid']:.2f}x)")
+    return lines
