@@ -199,7 +199,7 @@ class Agent:
         from classifiers.topics import analyse
 
         returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn
-        referents = {r.antecedent: r.entity for r in turn.resolutions}
+        referents = {r.antecedent: r.entity for r in turn.resolutions} if self.memory.config.referents else {}
         summarised = {}
         if self.summary is not None:  # the keyframe most like the turn brings back its block's turns
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,9 +35,6 @@ class Span:
 
     def overlaps(self, other: "Span") -> bool:
         return self.start < other.end and other.start < self.end
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # --- value patterns ---------------------------------------------------------------------------------
@@ -270,7 +267,7 @@ class PersistenceMarker:
 
     def mark(self, text: str) -> list[Span]:
         spans = value_spans(text)
-        candidates = [c for c in cue_clauses(text)]
+        candidates = cue_clauses(text)
         verdicts = self.model.predict([text[s:e] for s, e, _ in candidates]) if self.model else [t for *_, t in candidates]
         for (start, end, _), verdict in zip(candidates, verdicts):
             if verdict in ("preference", "taboo"):

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from classifiers.persistence import PersistenceMarker, Span
+from classifiers.topics import STOPWORDS
 
 USER = "user"
 DECAY = 0.7  # salience kept per turn gone by
@@ -41,9 +42,6 @@ class Fact:
     @property
     def current(self) -> bool:
         return self.invalid_from_turn is None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,6 @@ _NOT_THINGS = frozenset("""one other same way time thing things lot bit moment e
 evening night today tomorrow yesterday problem issue question answer help thanks chance point case while rest meantime
 fact idea sort kind number details detail info information system number world place phone call line chat""".split())
 _CONTENT = re.compile(r"[a-z0-9]+")
-from classifiers.topics import STOPWORDS  # noqa: E402  (shared function-word list)
 
 # corrections: a turn with one of these supersedes earlier facts of the same attribute
 CORRECTION = re.compile(
@@ -334,13 +331,6 @@ class EntityGraph:
 
     def superseded(self) -> list[Fact]:
         return [fact for fact in self.facts if not fact.current]
-
-    def entities_of(self, turn: int) -> list[str]:
-        """Names of the entities the turn mentions or refers to (what the long-term memory searches by)."""
-        node = f"turn:{turn}"
-        if node not in self.graph:
-            return []
-        return sorted({self.graph.nodes[v]["name"] for _, v in self.graph.out_edges(node)})
 
     def stats(self, turn: int) -> dict:
         return {"entities": len(self.entities), "facts": len(self.current_facts()),

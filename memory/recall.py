@@ -44,6 +44,7 @@ class MemoryConfig:
     unit: str = "message"  # what an archived stretch is embedded as: "message" or "span" (its own words)
     entities: bool = True  # recall turns that name an entity the user's turn names
     topics: bool = True  # recall the turns of a topic the classifier says the user returns to
+    referents: bool = True  # recall the turns the entity graph resolves the turn's references to (graph on)
     user_id: str = "local"
     session_id: str = "default"
     directory: str | None = None  # None: an in-memory archive (gone with the agent)

@@ -9,7 +9,7 @@ costs no extra embedding."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,9 +22,6 @@ class Keyframe:
     last_turn: int
     text: str
     vector: np.ndarray = field(repr=False)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "vector"}
 
 
 class RunningSummary:

@@ -108,8 +108,10 @@ class CacheRunner:
 BASELINE = "reprefill"
 MEMORY = "+memory"  # a policy name's suffix: that policy with long-term memory (and the topic classifier)
 MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text instead of spliced as KV (baseline)
-PALACE = "+palace"  # long-term memory steered by the entity graph, with profile and summary notes in the permanent tier
-KINDS = ("", MEMORY, MEMORY_TEXT, PALACE)
+GRAPH = "+graph"  # long-term memory whose recall the entity graph's resolved references also steer
+NOTES = "+notes"  # long-term memory with the profile and running summary as notes in the permanent tier
+PALACE = "+palace"  # both: the whole memory palace
+KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -122,9 +124,12 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
     cache_policy, plus, kind = policy.partition("+")
     if plus + kind not in KINDS:
         raise ValueError(f"unknown policy {policy!r}: a cache policy, optionally with {', '.join(KINDS[1:])}")
-    if plus + kind == MEMORY_TEXT:
+    kind = plus + kind
+    if kind == MEMORY_TEXT:
         memory = replace(memory, reinject="text")
-    palace = plus + kind == PALACE
+    if kind == NOTES:
+        memory = replace(memory, referents=False)
+    notes = kind in (NOTES, PALACE)
     return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
-                                           topics=bool(kind), memory=memory if kind else None, graph=palace,
-                                           profile=ProfileConfig() if palace else None))
+                                           topics=bool(kind), memory=memory if kind else None,
+                                           graph=kind in (GRAPH, NOTES, PALACE), profile=ProfileConfig() if notes else None))
