@@ -66,14 +66,14 @@ VALUE_PATTERNS: list[tuple[str, str, re.Pattern]] = [  # (type, attribute, patte
         rf"|\b(?:{_MONTHS})\s+(?:{_ORDINAL}|\d{{1,2}})\b(?:,?\s+\d{{4}})?|\b\d{{1,2}}/\d{{1,2}}(?:/\d{{2,4}})?\b"
         rf"|\b\d{{4}}-\d{{2}}-\d{{2}}\b|\bthe\s+{_ORDINAL}\b|\b(?:next\s+|this\s+)?(?:{_DAYS})\b", re.I)),
     ("identity", "reference", re.compile(
-        r"(?<![\w@.-])(?=[A-Z0-9-]*\d)(?=[A-Z0-9-]*[A-Z])[A-Z0-9]{1,6}(?:[- ]?[A-Z0-9]{2,8}){1,3}(?![\w@-])"
+        r"(?<![\w@.-])(?=[A-Z0-9-]*\d)(?=[A-Z0-9-]*[A-Z])(?=[A-Z0-9 -]{5})[A-Z0-9]{1,6}(?:[- ]?[A-Z0-9]{2,8}){1,3}(?![\w@-])"
         r"|(?<![\w@.£$€-])\d{5,}(?![\w-])|(?<![\w-])\d{3,}(?:-\d{3,})+(?![\w-])"
         r"|(?:(?<=ending in )|(?<=[Cc]ode )|(?<=PIN )|(?<=[Cc]ode is )|(?<=PIN is ))\d{3,8}\b")),
 ]
 
 PROPER_NAME = re.compile(  # a capitalised name mid-sentence: a pet, a product, a medicine, a place
     r"(?<=[a-z,;] )(?!(?:I|I'm|I'll|I've|I'd|OK|He's|She's|It's)\b)[A-Z][a-z'-]+"
-    r"(?:[ \t]+(?:[A-Z][a-z'-]+|\d[\d.]*(?:\s?(?:mg|ml|g|kg|GB|TB|mm|cm))?))*")
+    r"(?:[ \t]+(?:[A-Z][a-z'-]+|\d+(?:\.\d+)?(?:\s?(?:mg|ml|g|kg|GB|TB|mm|cm))?))*")
 
 # a capitalised name after a self-introduction, or the name of a named relation ("my daughter, Ellie")
 _NAME = r"[A-Z][a-z'’-]+(?:\s+(?:[A-Z][a-z'’-]+|[A-Z]\.)){0,3}"
@@ -89,6 +89,7 @@ NAME_PATTERNS = [
 _RELATION_AFTER = re.compile(r",?\s+(?i:my|our|the)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|"
                              r"father|dad|brother|sister|dog|cat|beagle|terrier|spaniel|puppy|kitten|tom|landlord|neighbour)\b")
 _NOT_NAMES = frozenset("""i im it its the a an and but so just here there sorry yes no not thanks thank please okay ok
+flat apartment unit room house number order account booking ticket code
 hello hi hey morning afternoon evening calling ringing writing back still sure very really about afraid glad happy
 """.split())
 

@@ -111,11 +111,17 @@ fact idea sort kind number details detail info information system number world p
 _CONTENT = re.compile(r"[a-z0-9]+")
 
 # corrections: a turn with one of these supersedes earlier facts of the same attribute
-CORRECTION = re.compile(
+CORRECTION = re.compile(  # the turn corrects something: a denied value ("not X") may replace a fact
     r"\b(?:not|no longer|instead|actually|sorry|correction|mistake|wrong|typo|meant|changed?|moved|new (?:address|number|"
-    r"email|phone)|rather than|update|scratch that|i misspoke|misread)\b", re.I)
+    r"email|phone|mobile)|update[ds]?|scratch that|i misspoke|misread)\b", re.I)
+SWITCH = re.compile(  # the user's own value changed: a new one replaces the old even without naming it
+    r"\b(?:no longer|moved|new (?:address|number|email|phone|mobile)|changed|now at|update[ds]?|correction|wrong|typo|"
+    r"i meant|should (?:be|have said))\b", re.I)
 _NOT_VALUE = re.compile(r"\bnot\s+([^,.;!?]+)", re.I)
-_PIECE_FOR_PIECE = re.compile(r"(?P<new>\b[\w£$.-]*\d[\w£$.-]*|\b[A-Z0-9]{2,}\b),?\s+not\s+(?P<old>[\w£$.-]*\d[\w£$.-]*|[A-Z0-9]{2,})\b")
+_PIECE = r"[\w£$.-]*\d[\w£$.-]*"  # a piece of a value has a digit: "2QF", "14", "£40"
+_PIECE_FOR_PIECE = re.compile(  # "2QF, not 2QE"; "Flat 14, not Flat 4" (the shared word kept)
+    rf"(?:\b(?P<word>[A-Za-z]+)\s+)?(?P<new>\b(?:{_PIECE}))\b,?\s+(?i:not)\s+(?:(?i:(?P=word))\s+)?(?P<old>{_PIECE})\b"
+    r"(?=\s*(?:[,.;!?)]|$|(?i:and|but|so|please)\b))")  # the denied part is just the piece, not "37 Larch Close"
 
 
 class EntityGraph:
@@ -215,46 +221,40 @@ class EntityGraph:
         return entity
 
     def _facts(self, turn: int, text: str, spans: list[Span]) -> None:
-        """Record the turn's facts. In a correcting turn, a value replaces the current facts it denies
-        ("70 Poplar Lane, not 37 Larch Close"), a piece replaces the piece it denies ("2QF, not 2QE"
-        patches the address holding 2QE), and a value replaces the current one of its attribute when the
-        user has one at a time (a new address, a new email)."""
-        correcting = bool(CORRECTION.search(text))
+        """Record the turn's facts. In a correcting turn, a piece replaces the piece it denies ("2QF, not
+        2QE" and "HF4 7DR, not 7RD" patch the address holding 2QE or 7RD), a value replaces the current
+        facts it denies ("70 Poplar Lane, not 37 Larch Close"), and with a switch cue ("we moved", "new
+        email") a value replaces the current one of an attribute the user has one of at a time."""
+        correcting, switching = bool(CORRECTION.search(text)), bool(SWITCH.search(text))
         negated = [(m.start(1), m.end(1)) for m in _NOT_VALUE.finditer(text)]
         denied = [text[a:b].strip().lower() for a, b in negated]
-        valid_before = self.current_facts()
-        for span in spans:
-            if _inside(span.start, span.end, negated):
-                continue  # the value the user says is wrong ("not 37 Larch Close")
-            attribute = span.attribute if span.type not in ("preference", "taboo") else f"{span.type}:{span.attribute}"
-            patched_piece = False
-            for old in (f for f in valid_before if correcting and f.current and f.value != span.text):
-                piece = next((d for d in denied if d and d in old.value.lower()), None)
-                whole = piece is None and any(d and old.value.lower() in d for d in denied)
-                if piece is not None and len(piece) < len(old.value) and old.attribute != attribute \
-                        and (old.type == span.type or len(span.text) <= len(piece) + 3):
-                    self._patch(old, piece, span.text, turn)  # "BS3 4QU, not BS3 4QT" inside the address
-                    patched_piece = patched_piece or old.type != span.type
-                elif (piece is not None or whole) and old.type == span.type:
-                    self._supersede(old, span.text, turn)
-                elif old.attribute == attribute and _single_valued(attribute):
-                    self._supersede(old, span.text, turn)
-            if not patched_piece:  # "2QF" was a piece of the address, not a reference of its own
-                self._add(Fact(attribute, span.text, span.type, turn))
-        if correcting:  # "2QF, not 2QE" with no value pattern for "2QF": patch the fact holding the piece
+        patched: set[str] = set()  # values patched this turn: a span inside one is not a fact of its own
+        if correcting:
             for match in _PIECE_FOR_PIECE.finditer(text):
-                if _inside(match.start("new"), match.end("new"), [(s.start, s.end) for s in spans]):
-                    continue
-                for old in (f for f in valid_before if f.current):
-                    if match.group("old").lower() in old.value.lower() and len(match.group("old")) < len(old.value):
-                        self._patch(old, match.group("old").lower(), match.group("new"), turn)
+                word = f"{match.group('word')} " if match.group("word") and text[match.end("new"):].lower().find(
+                    f"not {match.group('word').lower()} ") >= 0 else ""
+                wrong, right = (word + match.group("old")).lower(), word + match.group("new")
+                for old in self.current_facts():
+                    if _contains_piece(old.value, wrong) and len(wrong) < len(old.value):
+                        patched.add(self._patch(old, wrong, right, turn))
+        for span in spans:
+            if _inside(span.start, span.end, negated) or any(span.text in value for value in patched):
+                continue  # the value the user says is wrong ("not 37 Larch Close"), or a piece already patched in
+            attribute = span.attribute if span.type not in ("preference", "taboo") else f"{span.type}:{span.attribute}"
+            for old in (f for f in self.current_facts() if correcting and f.value != span.text and f.type == span.type):
+                if any(d and (d in old.value.lower() or old.value.lower() in d) for d in denied):
+                    self._supersede(old, span.text, turn)  # "70 Poplar Lane, not 37 Larch Close"
+                elif switching and old.attribute == attribute and _single_valued(attribute):
+                    self._supersede(old, span.text, turn)  # "we moved, we're at ... now"
+            self._add(Fact(attribute, span.text, span.type, turn))
 
-    def _patch(self, old: Fact, piece: str, new: str, turn: int) -> None:
-        """Replace the denied piece of an old value: the patched whole is the new fact."""
-        index = old.value.lower().find(piece)
+    def _patch(self, old: Fact, piece: str, new: str, turn: int) -> str:
+        """Replace the denied piece of an old value; the patched whole is the new fact (returned)."""
+        index = _piece_at(old.value, piece)
         patched = old.value[:index] + new + old.value[index + len(piece):]
         self._supersede(old, patched, turn)
         self._add(Fact(old.attribute, patched, old.type, turn))
+        return patched
 
     def _supersede(self, old: Fact, value: str, turn: int) -> None:
         old.invalid_from_turn, old.superseded_by = turn, value
@@ -374,9 +374,19 @@ def _prior(entity: Entity, word: str | None) -> float:
 
 
 def _single_valued(attribute: str) -> bool:
-    """Attributes a user has one of at a time: a correction of one replaces it even without "not X"."""
-    return attribute in ("address", "postcode", "email", "name", "phone", "mobile phone", "preference:channel",
-                         "preference:form of address", "taboo:channel")
+    """Attributes a user has one of at a time: a switch to a new one replaces it even without "not X"
+    (preferences accumulate: a later one does not cancel an earlier one unless it denies it)."""
+    return attribute in ("address", "postcode", "email", "name", "phone", "mobile phone")
+
+
+def _piece_at(value: str, piece: str) -> int:
+    """Where a piece stands in a value as a whole token ("4" in "Flat 4, 19 ...", not in "14"); -1 if not."""
+    match = re.search(rf"(?<![\w]){re.escape(piece)}(?![\w])", value, re.I)
+    return match.start() if match else -1
+
+
+def _contains_piece(value: str, piece: str) -> bool:
+    return _piece_at(value, piece) >= 0
 
 
 def _key(name: str) -> str:

@@ -60,6 +60,19 @@ def test_a_partial_correction_patches_the_value_it_denies():
     assert "14 Larkspur Close, Otley, LS21 2QE" in {f.value for f in graph.superseded()}
 
 
+def test_corrections_patch_pieces_and_other_peoples_addresses_supersede_nothing():
+    graph = rules_graph()
+    graph.observe(0, "The flat is Flat 4, 12 Quay Street, Hull HU1 2AA.")
+    graph.observe(3, "Correction: it's Flat 14, not Flat 4. My mistake.")
+    graph.observe(5, "Sorry, the postcode is HU1 2AB, not 2AA.")
+    graph.observe(8, "My brother lives at 3 Mill Lane, York YO1 7AA, please post his copy there.")
+    current = {f.value for f in graph.current_facts() if f.attribute == "address"}
+    assert "Flat 14, 12 Quay Street, Hull HU1 2AB" in current  # both pieces patched in, once each
+    assert "3 Mill Lane, York YO1 7AA" in current  # a second address, not a switch: nothing superseded by it
+    assert [f.superseded_by for f in graph.superseded()] == ["Flat 14, 12 Quay Street, Hull HU1 2AA",
+                                                              "Flat 14, 12 Quay Street, Hull HU1 2AB"]
+
+
 def test_it_and_there_resolve_to_the_parcel_and_the_address():
     graph = rules_graph()
     graph.observe(0, "My parcel from Hallam Books never arrived.")
