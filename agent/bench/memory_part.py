@@ -73,12 +73,12 @@ def render_part_c(result: dict) -> list[str]:
     palace = result["runs"]["hybrid+palace"]
     hybrid = result["runs"]["hybrid"]
     lines = [f"{result['turns']} turns of data/dialogues.jsonl #1 at a {result['budget_tokens']}-token budget "
-             f"(25 % of {result['full_tokens']})", f"  {'step':22} {'p50 ms':>8} {'p95 ms':>8}"]
+             f"(25 % of {result['full_tokens']})", f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
     for step, row in palace["steps"].items():
-        lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):22} "
+        lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):30} "
                      f"{row['p50']:>8.1f} {row['p95']:>8.1f}")
-    lines.append(f"  {'on the clock':22} {palace['on_clock_ms']['p50']:>8.1f} {palace['on_clock_ms']['p95']:>8.1f}")
-    lines.append(f"  {'all memory work':22} {palace['memory_ms']['p50']:>8.1f} {palace['memory_ms']['p95']:>8.1f}"
+    lines.append(f"  {'on the clock':30} {palace['on_clock_ms']['p50']:>8.1f} {palace['on_clock_ms']['p95']:>8.1f}")
+    lines.append(f"  {'all memory work':30} {palace['memory_ms']['p50']:>8.1f} {palace['memory_ms']['p95']:>8.1f}"
                  f"   (target: under 30 ms p95)")
     lines.append(f"  time to first token: hybrid p50 {hybrid['ttft_ms']['p50']:.0f} / p95 {hybrid['ttft_ms']['p95']:.0f} ms, "
                  f"hybrid+palace {palace['ttft_ms']['p50']:.0f} / {palace['ttft_ms']['p95']:.0f} ms "
