@@ -18,8 +18,14 @@ from memory.summaries import RunningSummary
 from tests.helpers import ask, teacher_force
 
 
-def rules_graph() -> EntityGraph:
-    return EntityGraph(PersistenceMarker(None))
+def rules_graph(*turns: tuple[int, str] | tuple[int, str, str]) -> EntityGraph:
+    """A graph with the cue rules, after these (turn, user text[, reply]) turns."""
+    graph = EntityGraph(PersistenceMarker(None))
+    for turn, user, *reply in turns:
+        graph.observe(turn, user)
+        for text in reply:
+            graph.mention(turn, text)
+    return graph
 
 
 def test_a_stated_order_number_and_contact_details_are_marked_persistent():
@@ -61,11 +67,10 @@ def test_a_partial_correction_patches_the_value_it_denies():
 
 
 def test_corrections_patch_pieces_and_other_peoples_addresses_supersede_nothing():
-    graph = rules_graph()
-    graph.observe(0, "The flat is Flat 4, 12 Quay Street, Hull HU1 2AA.")
-    graph.observe(3, "Correction: it's Flat 14, not Flat 4. My mistake.")
-    graph.observe(5, "Sorry, the postcode is HU1 2AB, not 2AA.")
-    graph.observe(8, "My brother lives at 3 Mill Lane, York YO1 7AA, please post his copy there.")
+    graph = rules_graph((0, "The flat is Flat 4, 12 Quay Street, Hull HU1 2AA."),
+                        (3, "Correction: it's Flat 14, not Flat 4. My mistake."),
+                        (5, "Sorry, the postcode is HU1 2AB, not 2AA."),
+                        (8, "My brother lives at 3 Mill Lane, York YO1 7AA, please post his copy there."))
     current = {f.value for f in graph.current_facts() if f.attribute == "address"}
     assert "Flat 14, 12 Quay Street, Hull HU1 2AB" in current  # both pieces patched in, once each
     assert "3 Mill Lane, York YO1 7AA" in current  # a second address, not a switch: nothing superseded by it
@@ -74,11 +79,8 @@ def test_corrections_patch_pieces_and_other_peoples_addresses_supersede_nothing(
 
 
 def test_it_and_there_resolve_to_the_parcel_and_the_address():
-    graph = rules_graph()
-    graph.observe(0, "My parcel from Hallam Books never arrived.")
-    graph.mention(0, "I'm sorry. Which address should the parcel go to?")
-    graph.observe(1, "My sister's flat, 9 Mill Street, Leeds LS2 7EW.")
-    graph.mention(1, "Thanks, noted.")
+    graph = rules_graph((0, "My parcel from Hallam Books never arrived.", "I'm sorry. Which address should the parcel go to?"),
+                        (1, "My sister's flat, 9 Mill Street, Leeds LS2 7EW.", "Thanks, noted."))
     resolved = {r.span: (r.entity, r.antecedent, r.type) for r in graph.observe(2, "Can you send it there?")[1]}
     assert resolved["it"][0] == "parcel" and resolved["it"][1] == 0
     assert resolved["there"] == ("9 Mill Street, Leeds LS2 7EW", 1, "pronoun")
