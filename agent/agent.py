@@ -276,15 +276,15 @@ class Agent:
         profile = self.config.profile
         count = lambda text: len(self.format.words(text))  # noqa: E731
         notes = render(self.graph, self.summary, count, profile.cap(self.policy.budget), profile.superseded)
-        if notes == self.notes or not notes:
-            return None
-        old = self.store.meta.turn == NOTES_TURN
-        if bool(old.any()):
-            with torch.inference_mode():
-                self.store.keep(torch.nonzero(~old).flatten())
-        self.notes = notes
-        self._charge("notes", started)
-        return notes
+        changed = bool(notes) and notes != self.notes
+        if changed:
+            old = self.store.meta.turn == NOTES_TURN
+            if bool(old.any()):
+                with torch.inference_mode():
+                    self.store.keep(torch.nonzero(~old).flatten())
+            self.notes = notes
+        self._charge("notes", started)  # rendering counts every turn, not only when the notes change
+        return notes if changed else None
 
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice as the continuation of the cache as it is now (after

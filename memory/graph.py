@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 
-from classifiers.persistence import PersistenceMarker, Span
+from classifiers.persistence import PersistenceMarker, Span, value_spans
 from classifiers.topics import STOPWORDS
 
 USER = "user"
@@ -154,8 +154,7 @@ class EntityGraph:
     def mention(self, turn: int, text: str) -> None:
         """A reply: its named entities gain salience (replies name what "it" will refer to)."""
         text = text.replace("\u2019", "'")
-        self._mention(turn, text, "assistant", [span for span in self.marker.mark(text) if span.type not in
-                                                  ("preference", "taboo")])
+        self._mention(turn, text, "assistant", value_spans(text))  # a reply's cue clauses are not the user's wishes
 
     def _mention(self, turn: int, text: str, role: str, spans: list[Span]) -> None:
         self.graph.add_node(f"turn:{turn}", kind="turn", turn=turn)
