@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -47,17 +48,29 @@ def chat(
                                 help="Archive evicted KV and re-inject it when its topic or an entity returns."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Entity graph, profile and running summary as notes "
                                "in the permanent tier; references steer recall."),
+    session: Optional[str] = typer.Option(None, "--session", help="Session directory: resumed if it holds one "
+                                          "(its saved options win), else created; saved after every reply."),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
 ) -> None:
-    """Chat in the terminal. Commands: /stats, /memory, /reset, /quit. Piped stdin: one message per line."""
+    """Chat in the terminal. Commands: /stats, /memory, /save [DIR], /sessions, /reset, /quit. Ctrl-C stops a
+    reply (it is kept); at the prompt, Ctrl-C or Ctrl-D quits. Piped stdin: one message per line."""
     from agent import Agent, AgentConfig, SamplingConfig
+    from agent.session import MANIFEST
     from cache.policies import Budget
     from cache.storage import StorageConfig
     from memory.profile import ProfileConfig
     from memory.recall import MemoryConfig
 
+    if session is not None and Path(session).exists() and not Path(session).is_dir():
+        raise UserError(f"--session {session}: not a directory")
+    if session is not None and (Path(session) / MANIFEST).exists():
+        agent = Agent.load(session, device=None if device == "auto" else device)
+        typer.echo(f"(resumed session {session}: {agent.turn_index} turns, policy {agent.config.policy}, "
+                   f"budget {agent.config.budget_tokens})", err=True)
+        run_chat(agent)
+        return
     config = AgentConfig(model=model, device=device, dtype=dtype, weights=weights, policy=policy,
                          budget_tokens=Budget.parse(budget).tokens(), system=system,
                          storage=StorageConfig(kv_dtype, paged=paged), topics=topics,
@@ -65,14 +78,28 @@ def chat(
                          profile=ProfileConfig() if graph else None,
                          sampling=SamplingConfig(max_new_tokens, temperature, top_p, top_k, seed))
     agent = Agent.from_pretrained(config)
+    if session is not None:
+        agent.save(session)
+    run_chat(agent)
+
+
+def run_chat(agent) -> None:
+    """The chat loop over standard input; with a session, every reply is saved, and so is the end."""
+    from memory.files import ArchiveError
+
     interactive = sys.stdin.isatty()
     warned = False
     if interactive:
-        typer.echo(f"{agent.loaded.name} · policy {policy} · budget {config.budget_tokens}. /stats /memory /reset /quit")
+        typer.echo(f"{agent.loaded.name} · policy {agent.config.policy} · budget {agent.config.budget_tokens}. "
+                   "/stats /memory /save /sessions /reset /quit")
     while True:
         if interactive:
             typer.echo("you> ", nl=False)
-        raw = sys.stdin.buffer.readline()
+        try:
+            raw = sys.stdin.buffer.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt quits, like Ctrl-D
+            typer.echo("")
+            break
         if not raw:
             break
         line = raw.decode("utf-8", errors="replace")
@@ -86,7 +113,22 @@ def chat(
             break
         if message == "/reset":
             agent.reset()
+            if agent.session_dir is not None:
+                agent.save(overwrite=True)  # the session directory now holds the new conversation
             typer.echo("(conversation reset)")
+            continue
+        if message == "/save" or message.startswith("/save "):
+            target = message[len("/save"):].strip() or None
+            if target is None and agent.session_dir is None:
+                typer.echo("(no session yet: /save DIR, or start with --session DIR)")
+            else:
+                try:
+                    typer.echo(f"(saved to {agent.save(target)})")
+                except (OSError, ArchiveError) as error:
+                    typer.echo(f"(not saved: {error})")
+            continue
+        if message == "/sessions":
+            typer.echo("\n".join(session_lines(agent)))
             continue
         if message == "/stats":
             typer.echo("\n".join(stats_lines(agent.stats())))
@@ -95,9 +137,58 @@ def chat(
             typer.echo("\n".join(memory_lines(agent)))
             continue
         typer.echo("palace> ", nl=False)
+        if stream_reply(agent, message):
+            typer.echo("\n(interrupted: the partial reply is kept)")
+        else:
+            typer.echo("")
+        save_quietly(agent)
+    save_quietly(agent)
+
+
+def save_quietly(agent) -> None:
+    """Save the chat's session, if it has one; a failed save (a full disk) is one line, the chat goes on
+    and the previous save stays as it was."""
+    from memory.files import ArchiveError
+
+    if agent.session_dir is not None:
+        try:
+            agent.save()
+        except (OSError, ArchiveError) as error:
+            typer.echo(f"(not saved: {error})", err=True)
+
+
+def stream_reply(agent, message: str) -> bool:
+    """Print the reply as it streams; Ctrl-C meanwhile ends it at the next token (the turn completes
+    with what was said). Returns whether it was interrupted."""
+    interrupted = False
+
+    def on_sigint(signum, frame) -> None:
+        nonlocal interrupted
+        interrupted = True
+        agent.interrupt()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
         for piece in agent.stream(message):
             typer.echo(piece, nl=False)
-        typer.echo("")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return interrupted
+
+
+def session_lines(agent) -> list[str]:
+    """What `/sessions` shows: the sessions beside this one (in its parent directory), newest first."""
+    from agent.session import list_sessions
+
+    if agent.session_dir is None:
+        return ["(no session: start with --session DIR, or /save DIR)"]
+    root = agent.session_dir.resolve().parent
+    rows = [f"sessions in {root}:"]
+    for info in list_sessions(root):
+        here = " (this one)" if info.path.resolve() == agent.session_dir.resolve() else ""
+        rows.append(f"  {info.path.name}{here}: " + (info.problem or f"{info.turns} turns, saved {info.saved_at}, "
+                                                    f"{info.model}, {info.policy}"))
+    return rows
 
 
 def stats_lines(stats: dict, indent: str = "") -> list[str]:
@@ -328,10 +419,11 @@ def topics(
 def main() -> None:
     """Entry point: every expected failure becomes one line on stderr, never a traceback."""
     from agent.model import ModelError
+    from memory.files import ArchiveError
 
     try:
         app()
-    except (UserError, ModelError, ValueError, FileNotFoundError) as exc:  # TopicModelError is a ValueError
+    except (UserError, ModelError, ArchiveError, ValueError, FileNotFoundError) as exc:  # TopicModelError is a ValueError
         typer.echo(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:

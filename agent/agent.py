@@ -11,8 +11,12 @@ A turn reads as observe -> recall -> prefill -> decode -> remember:
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -22,6 +26,7 @@ from agent.chat_format import ChatFormat
 from agent.engine import Feed, SamplingConfig, decode, prefill_packed
 from agent.model import EMBEDDED, LoadedModel, load_model
 from agent.scoring import score_together
+from agent.session import new_conversation_id
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
@@ -31,6 +36,19 @@ from memory.recall import LongTermMemory, MemoryConfig, Recalled
 from memory.summaries import RunningSummary
 
 NOTES_TURN = -2  # the turn the notes' tokens carry: below 0, so the permanent tier holds them
+
+
+class AgentBusyError(RuntimeError):
+    """An Agent was called from a second thread while one is running a turn on it."""
+
+
+def one_thread(method):
+    """Run `method` holding the agent's lock; a call from another thread meanwhile fails at once."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        with self._exclusive():
+            return method(self, *args, **kwargs)
+    return guarded
 
 
 @dataclass
@@ -81,7 +99,11 @@ class TurnTiming:
 class Agent:
     """A chat over one model, one managed KV store and its cache policy.
 
-    Chat and embedding programs use `chat`, `stream`, `score`, `pin`/`unpin`, `stats` and `reset`.
+    Chat and embedding programs use `chat`, `stream`, `score`, `pin`/`unpin`, `stats`, `reset`, and
+    `save` / `Agent.load` (agent/session.py); `interrupt` ends the reply being streamed at the next token.
+    One thread at a time: a call from a second thread while a turn runs raises AgentBusyError (the cache
+    is one sequence; interleaved turns would corrupt it). Agents share no mutable state, so one Agent per
+    thread is safe; only `interrupt` may be called from anywhere, a signal handler included.
     A turn is also available step by step (`observe`, `recall`, `prefill`, `remember`), and each step that
     feeds tokens has a `*_feed` twin that returns the tokens instead of feeding them, so a caller can
     pack several agents' feeds into shared forwards (`agent.engine.prefill_packed`); evaluation drives
@@ -96,6 +118,11 @@ class Agent:
             self.config.hybrid,
         )
         self.topic_model = self.embedder = self.memory = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self.session_dir: Path | None = None  # where save() with no directory writes (the last save or load)
+        self.session_lock = None  # the lock on session_dir (agent/session.py)
+        self._count_tokens = functools.lru_cache(maxsize=4096)(lambda text: len(self.format.words(text)))  # notes' pieces
         if self.config.profile is not None and not self.config.graph:
             raise ValueError("the profile is built from the entity graph: turn the graph on too")
         if self.config.topics or self.config.memory is not None or self.config.profile is not None:
@@ -117,6 +144,70 @@ class Agent:
     def model(self) -> torch.nn.Module:
         return self.loaded.model
 
+    @classmethod
+    def load(cls, directory: str | Path, loaded: LoadedModel | None = None, device: str | None = None) -> "Agent":
+        """The agent a session directory holds (agent/session.py), continuing where it was saved."""
+        from agent.session import load
+
+        agent = load(directory, loaded, device)
+        agent.session_dir = Path(directory)
+        return agent
+
+    @one_thread
+    def save(self, directory: str | Path | None = None, overwrite: bool = False) -> Path:
+        """Save the conversation (cache, history, topics, graph, summary, archive) atomically into
+        `directory` (default: the last one saved to or loaded from); see agent/session.py."""
+        from agent.session import save
+
+        directory = Path(directory) if directory is not None else self.session_dir
+        if directory is None:
+            raise ValueError("save() needs a directory: this conversation was never saved")
+        self.session_dir = save(self, directory, overwrite)
+        return self.session_dir
+
+    @one_thread
+    def restore(self, state: dict, conversation_id: str, device: torch.device | str | None = None) -> None:
+        """Continue a saved conversation (`agent.session.load` calls this, then restores the memory over
+        its reopened archive)."""
+        from classifiers.topics import TopicTracker
+
+        self.reset()
+        self.store.load_state(state["store"], device)
+        self.turn_index, self.notes = state["agent"]["turn_index"], state["agent"]["notes"]
+        self.history = [Turn(**turn) for turn in state["agent"]["history"]]
+        if self.tracker is not None:
+            self.tracker = TopicTracker.from_state(state["tracker"], self.topic_model, self.embedder.model)
+        if self.graph is not None:
+            self.graph = EntityGraph.from_state(state["graph"])
+        if self.summary is not None:
+            self.summary = RunningSummary.from_state(state["summary"])
+        self.conversation_id = conversation_id
+
+    @one_thread
+    def close(self) -> None:
+        """Release the archive and the session directory's lock (unsaved turns are not saved)."""
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
+        if self.session_lock is not None:
+            self.session_lock.release()
+            self.session_lock = None
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise AgentBusyError("this Agent is running a turn in another thread: use one Agent per thread")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def interrupt(self) -> None:
+        """End the reply being streamed after the token it is on (safe from any thread or a signal
+        handler); the turn completes as usual with the partial reply. No effect between replies."""
+        self._stop.set()
+
+    @one_thread
     def reset(self) -> None:
         """Forget the conversation: a fresh store holding only the system prompt and first user header."""
         self.store = KVStore.for_model(self.model, self.policy, self.config.storage)
@@ -134,40 +225,54 @@ class Agent:
         self.summary = RunningSummary(profile.summary_every) if profile is not None else None
         self.notes = ""  # the notes text the permanent tier holds now
         self.turn_index = 0
+        self.history: list[Turn] = []  # every turn so far, with its reply
+        self.conversation_id = new_conversation_id()
         self.timing = TurnTiming()
         system = Feed(self.store, turn=-1, segment=-1).add(self.format.system_prompt(self.config.system), "system")
         prefill_packed(self.model, [system])
 
     # --- the turn ---------------------------------------------------------------------------------
     def stream(self, text: str) -> Iterator[str]:
-        """Reply to `text`, yielding the reply's text as it is decoded."""
-        started = time.perf_counter()
-        turn = self.observe(text)
-        self.recall(turn)
-        self.prefill(turn)
-        ids: list[int] = []
-        shown = ""
-        first_at = None
-        for token in decode(self.model, self.store, self.format.end_of_turn, self.config.sampling, turn.index, turn.segment):
-            if first_at is None:
-                first_at = time.perf_counter()
-                self.timing = TurnTiming(ttft_ms=(first_at - started) * 1000)
-            ids.append(token)
-            text_so_far = self.format.decode(ids)
-            if len(text_so_far) > len(shown) and not text_so_far.endswith("\ufffd"):
-                yield text_so_far[len(shown):]
-                shown = text_so_far
-        if first_at is not None:
-            self.timing.decode_tokens = len(ids) - 1
-            self.timing.decode_s = time.perf_counter() - first_at
-        else:
-            self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
-        turn.reply = self.format.decode(ids)
-        self.remember(turn)
+        """Reply to `text`, yielding the reply's text as it is decoded. The reply ends early, and the turn
+        completes with what was decoded (every yielded token is in the cache), when `interrupt` is called
+        or the caller stops iterating (closes the generator)."""
+        with self._exclusive():
+            started = time.perf_counter()
+            self._stop.clear()
+            turn = self.observe(text)
+            self.recall(turn)
+            self.prefill(turn)
+            ids: list[int] = []
+            shown = ""
+            first_at = None
+            tokens = decode(self.model, self.store, self.format.end_of_turn, self.config.sampling, turn.index, turn.segment)
+            try:
+                for token in tokens:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        self.timing = TurnTiming(ttft_ms=(first_at - started) * 1000)
+                    ids.append(token)
+                    text_so_far = self.format.decode(ids)
+                    if len(text_so_far) > len(shown) and not text_so_far.endswith("\ufffd"):
+                        yield text_so_far[len(shown):]
+                        shown = text_so_far
+                    if self._stop.is_set():
+                        break
+            finally:  # also when the caller closed us: the turn is completed, never left half-fed
+                tokens.close()  # feeds the token it last yielded
+                self._stop.clear()
+                if first_at is not None:
+                    self.timing.decode_tokens = len(ids) - 1
+                    self.timing.decode_s = time.perf_counter() - first_at
+                else:
+                    self.timing = TurnTiming(ttft_ms=(time.perf_counter() - started) * 1000)
+                turn.reply = self.format.decode(ids)
+                self.remember(turn)
 
     def chat(self, text: str) -> str:
         return "".join(self.stream(text))
 
+    @one_thread
     def observe(self, text: str) -> Turn:
         """Number the turn, embed it once when topics or memory need it (both share the vector), and
         choose its segment: with topics tracked, the classifier says whether the user opens a new topic,
@@ -189,8 +294,10 @@ class Agent:
             self.memory.messages[(turn.index, "user")] = text
             self.memory.vectors[(turn.index, "user")] = turn.embedding
         self.turn_index += 1
+        self.history.append(turn)
         return turn
 
+    @one_thread
     def recall(self, turn: Turn) -> None:
         """With memory on: re-inject the archived turns this one names an entity of, returns to the topic
         of, or resembles (memory/recall.py), within the memory's share of the budget."""
@@ -207,10 +314,12 @@ class Agent:
         turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to,
                                            referents, summarised)
 
+    @one_thread
     def prefill(self, turn: Turn) -> None:
         """Feed the user's words and the assistant header; the store's next-token logits then start the reply."""
         prefill_packed(self.model, [self.user_feed(turn)])
 
+    @one_thread
     def remember(self, turn: Turn, reply: str | None = None) -> None:
         """After the reply: feed its closing and pre-warm the next user header, off the next turn's clock.
         `reply`: a reply's text to feed as history first (teacher forcing), when decode did not feed it."""
@@ -218,6 +327,7 @@ class Agent:
         prefill_packed(self.model, [self.reply_feed(turn, reply)])
         self.settle()
 
+    @one_thread
     def note_reply(self, turn: Turn, reply: str | None) -> None:
         """The reply joins the turn's topic and is what its evicted stretches are archived as (callers
         that feed `reply_feed` themselves call this too)."""
@@ -243,6 +353,7 @@ class Agent:
         if self.memory is not None:
             self.memory.charge(step, started)
 
+    @one_thread
     def settle(self) -> None:
         """Archive what the turn's feeds evicted (callers that feed themselves call this after)."""
         if self.memory is not None:
@@ -256,6 +367,7 @@ class Agent:
         """What `prefill` feeds: the user's message and the assistant header."""
         return Feed(self.store, turn.index, turn.segment).add(self.format.user_message(turn.text), "user")
 
+    @one_thread
     def reply_feed(self, turn: Turn, reply: str | None = None) -> Feed:
         """What `remember` feeds: a reply's text (None: already fed by decode), then its closing and the
         next user header, which opens the user's next message."""
@@ -274,8 +386,7 @@ class Agent:
             return None
         started = time.perf_counter()
         profile = self.config.profile
-        count = lambda text: len(self.format.words(text))  # noqa: E731
-        notes = render(self.graph, self.summary, count, profile.cap(self.policy.budget), profile.superseded)
+        notes = render(self.graph, self.summary, self._count_tokens, profile.cap(self.policy.budget), profile.superseded)
         changed = bool(notes) and notes != self.notes
         if changed:
             old = self.store.meta.turn == NOTES_TURN
@@ -286,12 +397,14 @@ class Agent:
         self._charge("notes", started)  # rendering counts every turn, not only when the notes change
         return notes if changed else None
 
+    @one_thread
     def score(self, choices: list[str]) -> list[float]:
         """Total log-probability of each choice as the continuation of the cache as it is now (after
         `prefill`, as the assistant's reply); the store is left exactly as it was."""
         return score_together(self.model, self.format, [self.store], choices)[0]
 
     # --- persistent markers -----------------------------------------------------------------------
+    @one_thread
     def pin(self, text: str) -> int:
         """Pin every cached occurrence of `text` (an order number, a preference) so no policy evicts it
         while pinned. Pins count against the budget; returns how many tokens are now pinned for it."""
@@ -305,6 +418,7 @@ class Agent:
         self.store.pin(found)
         return found.numel()
 
+    @one_thread
     def unpin(self, text: str | None = None) -> None:
         """Release the pins on `text`, or all pins."""
         self.store.pin(slice(None) if text is None else self._occurrences(text), pinned=False)

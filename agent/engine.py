@@ -160,7 +160,9 @@ def decode(model, store: KVStore, stop: list[int], config: SamplingConfig, turn:
         token = sample(store.next_logits, config, generator)
         if token in stop:
             return
-        yield token
-        store.make_room(1)
-        store.expect(1, turn, "assistant", segment, [token])
-        forward(model, store, [token])
+        try:
+            yield token
+        finally:  # fed even when the caller stops reading here: what it was given is in the cache
+            store.make_room(1)
+            store.expect(1, turn, "assistant", segment, [token])
+            forward(model, store, [token])

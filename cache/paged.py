@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from cache.storage import check_kind
+
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 
 
@@ -168,12 +170,17 @@ class PagedStorage:
         keys, values = (self._gather(self.pool.keys), self._gather(self.pool.values)) if self.table else (None, None)
         return {"kind": "paged", "block_size": self.block_size, "keys": keys, "values": values}
 
+    def load_state(self, state: dict) -> None:
+        check_kind(state, "paged")
+        if state["block_size"] != self.block_size:
+            raise ValueError(f"paged state of {state['block_size']}-token blocks cannot go into a pool of {self.block_size}")
+        self.truncate(0)
+        if state["keys"] is not None:
+            self.replace(state["keys"], state["values"])
+
     @classmethod
     def from_state(cls, state: dict, pool: BlockPool) -> "PagedStorage":
-        if state["block_size"] != pool.block_size:
-            raise ValueError(f"paged state of {state['block_size']}-token blocks cannot go into a pool of {pool.block_size}")
         storage = cls(pool)
-        if state["keys"] is not None:
-            storage.replace(state["keys"], state["values"])
+        storage.load_state(state)
         return storage
 

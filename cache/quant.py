@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from cache.storage import check_kind
+
 SCALE_DTYPE = torch.float16
 TINY_SCALE = torch.finfo(SCALE_DTYPE).tiny  # smallest normal float16: a constant group must not divide by 0
 FP8 = torch.float8_e4m3fn
@@ -267,13 +269,19 @@ class QuantizedStorage:
         return {"kind": self.kind, "config": asdict(self.config), "dtype": self.dtype,
                 "tiers": [tier.state() for tier in self.tiers], "tail": (self.tail_keys, self.tail_values)}
 
+    def load_state(self, state: dict) -> None:
+        check_kind(state, self.kind)
+        if self.Config(**state["config"]) != self.config:
+            raise ValueError(f"a layer quantized as {state['config']} cannot be loaded into one configured {self.config}")
+        self.dtype = state["dtype"]
+        self.tail_keys, self.tail_values = state["tail"]
+        for tier, tier_state in zip(self.tiers, state["tiers"]):
+            tier.load(tier_state)
+
     @classmethod
     def from_state(cls, state: dict) -> "QuantizedStorage":
         storage = cls(cls.Config(**state["config"]))
-        storage.dtype = state["dtype"]
-        storage.tail_keys, storage.tail_values = state["tail"]
-        for tier, tier_state in zip(storage.tiers, state["tiers"]):
-            tier.load(tier_state)
+        storage.load_state(state)
         return storage
 
 

@@ -2,7 +2,7 @@
 (mlx-lm style): `update_and_fetch` appends new tokens and returns all of them in compute precision
 (`append` only appends: a splice needs nothing back), `replace` installs a compacted (kept,
 re-rotated) sequence, `truncate` crops back, `nbytes` counts the memory really held, and
-`state`/`from_state` save and restore it."""
+`state` / `load_state` save and restore it (`from_state` builds a new one from a state)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class LayerStorage(Protocol):
     def nbytes(self) -> int: ...
 
     def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
 
 
 class ContiguousStorage:
@@ -93,12 +95,24 @@ class ContiguousStorage:
         keys, values = self.fetch() if self.keys is not None else (None, None)
         return {"kind": "contiguous", "keys": keys, "values": values}
 
+    def load_state(self, state: dict) -> None:
+        check_kind(state, "contiguous")
+        self.keys = self.values = None
+        self.length = 0
+        if state["keys"] is not None:
+            self.replace(state["keys"], state["values"])
+
     @classmethod
     def from_state(cls, state: dict, dtype: torch.dtype | None = None) -> "ContiguousStorage":
         storage = cls(dtype)
-        if state["keys"] is not None:
-            storage.replace(state["keys"], state["values"])
+        storage.load_state(state)
         return storage
+
+
+def check_kind(state: dict, kind: str) -> None:
+    """A layer's saved state goes back only into the same kind of storage."""
+    if state.get("kind") != kind:
+        raise ValueError(f"a {state.get('kind')!r} layer state cannot be loaded into {kind!r} storage")
 
 
 FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

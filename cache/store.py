@@ -340,4 +340,40 @@ class KVStore(Cache):
         return sum(layer.storage.nbytes() for layer in self.layers)
 
     def state(self) -> dict:
-        return {"meta": self.meta.state(), "layers": [layer.storage.state() for layer in self.layers]}
+        """Everything a session needs to continue from this store exactly: metadata, each layer's
+        storage state, the serial counter and the next-token logits. Not the policy (its configuration
+        is the caller's) and not `on_evict`."""
+        self._check_not_frozen("save")
+        return {"meta": self.meta.state(), "layers": [layer.storage.state() for layer in self.layers],
+                "next_serial": self.next_serial, "next_logits": self.next_logits}
+
+    def load_state(self, state: dict, device: torch.device | str | None = None) -> None:
+        """Restore a `state()` into this store, which must have the same layers and storage kind
+        (ValueError otherwise); tensors go to `device` (default: where they were saved)."""
+        self._check_not_frozen("load")
+        if len(state["layers"]) != len(self.layers):
+            raise ValueError(f"a {len(state['layers'])}-layer cache state cannot go into a {len(self.layers)}-layer store")
+        move = (lambda t: t.to(device)) if device is not None else (lambda t: t)  # noqa: E731
+        lengths = set()
+        for layer, layer_state in zip(self.layers, state["layers"]):
+            layer.storage.load_state(_mapped(layer_state, move))
+            lengths.add(layer.storage.length)
+            layer.is_initialized = layer.storage.length > 0
+            if layer.is_initialized:
+                layer.device = layer.storage.fetch()[0].device
+        meta = TokenMeta.from_state(state["meta"])
+        if lengths != {len(meta)}:
+            raise ValueError(f"the cache state's layers hold {sorted(lengths)} tokens but its metadata {len(meta)}")
+        self.meta, self.next_serial = meta, int(state["next_serial"])
+        self.next_logits = None if state["next_logits"] is None else move(state["next_logits"])
+
+
+def _mapped(value, move: Callable[[torch.Tensor], torch.Tensor]):
+    """`value` (dicts, lists, tuples of tensors and plain values) with `move` applied to every tensor."""
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if isinstance(value, dict):
+        return {key: _mapped(item, move) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mapped(item, move) for item in value)
+    return value

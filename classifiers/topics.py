@@ -543,17 +543,18 @@ class TopicTracker:
 
     @classmethod
     def from_state(cls, state: dict, model: TopicModel | None = None, embedder=None) -> "TopicTracker":
-        """Rebuild a tracker from `state()`; decisions are replayed as recorded, not re-classified."""
+        """Rebuild a tracker from `state()`; decisions are replayed as recorded, not re-classified, and
+        embeddings taken as saved (unit already: normalising twice would move them by rounding)."""
         if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"topic tracker state of format version "
                              f"{state.get('format_version') if isinstance(state, dict) else None!r}, "
                              f"expected {FORMAT_VERSION}")
         tracker = cls(model, embedder)
         for t in state["turns"]:
-            tracker.commit(t["text"], unit(t["embedding"]), Decision(t["label"], t["run"], t["topic"]))
+            tracker.commit(t["text"], np.asarray(t["embedding"], dtype=np.float32), Decision(t["label"], t["run"], t["topic"]))
             if t.get("reply") is not None:
                 r = t.get("reply_embedding")
-                tracker._add_reply(t["reply"], None if r is None else unit(r))
+                tracker._add_reply(t["reply"], None if r is None else np.asarray(r, dtype=np.float32))
         return tracker
 
     @property

@@ -15,7 +15,8 @@ index write and the commit) is rebuilt from the embeddings in the db. Single-thr
 
 Disk cap (`disk_cap_bytes`): when the KV files of segments held only on disk pass it, the oldest such
 segments are removed entirely (metadata, vector and file): an evicted memory is forgotten, not degraded.
-Their files are unlinked at the next save(), after the commit that deletes their rows."""
+Their files are unlinked at the next save(), after the commit that deletes their rows (an in-memory
+archive, which has no durability to keep, unlinks them at once)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from memory import codec
-from memory.files import ArchiveError
+from memory.files import ArchiveError, fsync_dir, fsync_file
 from memory.index import IndexConfig, VectorIndex
 from memory.segment import Record, Segment
 from memory.tiers import KVTiers
@@ -163,6 +164,9 @@ class Archive:
         self._record_files(written)
         for old in evicted:
             self._forget(old)
+        if evicted and self.directory is None:  # nothing here outlives the process: free their files now
+            self._db.commit()
+            self._tiers.commit()
         return segment_id
 
     def get(self, segment_id: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Segment:
@@ -259,6 +263,53 @@ class Archive:
         else:
             self._db.commit()
         self._tiers.commit()
+
+    def copy_to(self, directory: str | Path) -> None:
+        """Write a saved copy of this archive, same segment ids, into `directory` (new or empty): an
+        in-memory archive becomes a session's files. The copy's KV all goes to files; its metadata
+        commit comes last, so a crash midway leaves a directory that Archive.open refuses."""
+        directory = Path(directory)
+        if (directory / DB_NAME).exists():
+            raise ArchiveError(directory / DB_NAME, "an archive already exists here; copy into a new directory")
+        self._db.commit()
+        tiers = KVTiers(directory / KV_DIR, memory_cap=0)
+        target = sqlite3.connect(directory / DB_NAME)
+        try:
+            self._db.backup(target)
+            sizes: dict[int, int] = {}
+            for (segment_id,) in target.execute("SELECT id FROM segments ORDER BY id"):
+                sizes.update(tiers.put(segment_id, self._tiers.get(segment_id)[0])[0])
+            tiers.flush()
+            target.executemany("UPDATE segments SET kv_file_bytes = ? WHERE id = ?",
+                               [(size, segment_id) for segment_id, size in sizes.items()])
+            target.execute("UPDATE meta SET value = '1' WHERE key = 'generation'")
+            self._index.save(directory / INDEX_NAME, stamp=1)
+            target.commit()
+        finally:
+            target.close()
+        fsync_file(directory / DB_NAME)
+        fsync_dir(directory)
+
+    def token_serials(self) -> dict[int, tuple[int, torch.Tensor]]:
+        """Every segment's turn and token serials, by id: what a memory needs to tell archived tokens
+        the cache holds from those it lost, without reading any KV."""
+        return {segment_id: (turn, _tensor(serials, "<i8", "cpu"))
+                for segment_id, turn, serials in self._db.execute("SELECT id, turn, serials FROM segments ORDER BY id")}
+
+    def last_id(self) -> int:
+        """The newest segment id ever given (0 for none), removed segments included."""
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'segments'").fetchone()
+        return int(row[0]) if row else 0
+
+    def remove_after(self, segment_id: int) -> int:
+        """Remove the segments newer than `segment_id` and save: a session rolled back to a save made
+        when that was the newest (their tokens are live again in its cache). Returns how many."""
+        newer = [row[0] for row in self._db.execute("SELECT id FROM segments WHERE id > ?", (segment_id,))]
+        for newer_id in newer:
+            self.remove(newer_id)
+        if newer:
+            self.save()
+        return len(newer)
 
     def close(self) -> None:
         """save(), then release the database (and an in-memory archive's temporary directory)."""

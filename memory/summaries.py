@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 WORDS = 14  # the most words a keyframe keeps
 
@@ -57,6 +58,19 @@ class RunningSummary:
 
     def texts(self) -> list[str]:
         return [k.text for k in self.keyframes]
+
+    def state(self) -> dict:
+        """Keyframes and the open block, vectors as tensors (a session file holds no pickled objects)."""
+        return {"every": self.every,
+                "keyframes": [(k.first_turn, k.last_turn, k.text, torch.from_numpy(k.vector)) for k in self.keyframes],
+                "block": [(turn, text, torch.from_numpy(vector)) for turn, text, vector in self._block]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RunningSummary":
+        summary = cls(state["every"])
+        summary.keyframes = [Keyframe(a, b, text, vector.numpy()) for a, b, text, vector in state["keyframes"]]
+        summary._block = [(turn, text, vector.numpy()) for turn, text, vector in state["block"]]
+        return summary
 
 
 _SENTENCE = re.compile(r"[^.!?]+[.!?]?")

@@ -18,3 +18,11 @@ def embedded():
     from agent.model import load_model
 
     return load_model("embedded", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with the embedded tokenizer, saved as a local model directory."""
+    from tests.helpers import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
