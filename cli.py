@@ -344,16 +344,36 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write every row as JSON here."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     parts: str = typer.Option("ab", "--parts", help="Letters of abc: a (engine speed), b (KV strategies), c (memory work per turn)."),
+    soak: Optional[int] = typer.Option(None, "--soak", min=10, help="Instead: a soak of this many turns (1000 in the "
+                                       "README) in one saved session with memory on: budget, RSS, archive disk and TTFT."),
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
     from agent.bench.bench import BenchConfig, run_bench
 
+    if soak is not None:
+        run_soak_command(soak, model, threads, json_path)
+        return
     if not parts or set(parts) - set("abc"):
         raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
     config = BenchConfig.preset(quick, threads=threads, parts=parts)
     make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)
+
+
+def run_soak_command(turns: int, model: str, threads: int | None, json_path: str | None) -> None:
+    import torch
+
+    from agent.bench.soak import SoakConfig, render_soak, run_soak
+    from agent.model import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    make_parents(json_path)
+    result = run_soak(load_model(model, "cpu"), SoakConfig(turns=turns), typer.echo)
+    typer.echo("\n".join(render_soak(result)))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
 
 
 @app.command()

@@ -88,6 +88,8 @@ class PagedStorage:
     not the pool's spare capacity, so it is comparable with ContiguousStorage and drops on compaction;
     the pool's own footprint is `pool.nbytes()`."""
 
+    exact_truncate = True
+
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.table: list[int] = []

@@ -177,6 +177,7 @@ class QuantizedStorage:
 
     Config = QuantConfig
     kind = "quantized"
+    exact_truncate = False  # groups quantized after the cut stay quantized
 
     def __init__(self, config: QuantConfig | DynamicConfig | None = None):
         self.config = config or self.Config()

@@ -33,9 +33,13 @@ class LayerStorage(Protocol):
 
     def load_state(self, state: dict) -> None: ...
 
+    exact_truncate: bool  # whether truncate() gives back exactly the state before the tokens it cuts
+
 
 class ContiguousStorage:
     """Keys and values [1, kv_heads, capacity, head_dim] in the model's dtype (or a wider float)."""
+
+    exact_truncate = True  # truncate() restores exactly what was held before the cut (a fork relies on it)
 
     def __init__(self, dtype: torch.dtype | None = None):
         self.dtype = dtype

@@ -147,11 +147,17 @@ class KVStore(Cache):
         if self.frozen:
             raise RuntimeError("a fork of this store is already open")
         length, next_logits, next_serial = self.length, self.next_logits, self.next_serial
+        # a quantized layer cannot truncate back exactly (tokens the fork pushed out of its residual window
+        # stay quantized), so it is restored from a snapshot: references, as its tensors are never mutated
+        snapshots = [None if layer.storage.exact_truncate else layer.storage.state() for layer in self.layers]
         self.frozen = True
         try:
             yield self
         finally:
             self.truncate(length)
+            for layer, snapshot in zip(self.layers, snapshots):
+                if snapshot is not None:
+                    layer.storage.load_state(snapshot)
             self.next_logits, self.next_serial = next_logits, next_serial
             self.frozen = False
 
@@ -217,9 +223,10 @@ class KVStore(Cache):
         take back their serials, turns and segments and are marked recalled at `turn`, so they are
         neither archived again nor recalled twice."""
         rows = slice(self.length - len(original), self.length)
-        for column in ("serial", "turn", "segment"):
-            getattr(self.meta, column)[rows] = getattr(original, column)
-        self.meta.recalled_at[rows] = turn
+        with torch.inference_mode():  # as in pin()
+            for column in ("serial", "turn", "segment"):
+                getattr(self.meta, column)[rows] = getattr(original, column)
+            self.meta.recalled_at[rows] = turn
 
     def holds(self, serials: torch.Tensor) -> torch.Tensor:
         """Bool mask: which of these serials the cache holds now."""
@@ -326,7 +333,8 @@ class KVStore(Cache):
         self.meta = self.meta.select(slice(0, length))
 
     def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
-        self.meta.pinned[index] = pinned
+        with torch.inference_mode():  # the columns may be inference tensors (rebuilt by a splice in inference mode)
+            self.meta.pinned[index] = pinned
 
     def find(self, ids: list[int]) -> torch.Tensor:
         """Indices of every cached occurrence of the token sequence `ids`."""

@@ -122,6 +122,8 @@ class LongTermMemory:
             segment_id = self.archive.add(
                 Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
             self.kept[segment_id] = int(span.meta.turn[0]), span.serials.clone()
+        if len(self.kept) > 2 * len(self.archive) + 64:  # the disk cap forgot segments: so do we (amortised)
+            self.kept = {segment_id: kept for segment_id, kept in self.kept.items() if segment_id in self.archive}
         self.charge("archive", started)
 
     @property
