@@ -263,7 +263,8 @@ def eval_(
     policy: str = typer.Option("full,window,sink,h2o,hybrid,reprefill",
                                help="Comma-separated: full, window, sink, h2o, hybrid, reprefill; "
                                "window+memory, sink+memory, h2o+memory, hybrid+memory add long-term memory "
-                               "(+memory-text: recalled turns re-prefilled as text, the baseline)."),
+                               "(+memory-text: recalled turns re-prefilled as text, the baseline; +graph, +notes, "
+                               "+palace: the memory palace's parts; hybrid+topics: no memory, whole topic segments evicted)."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Dtype the KV cache is stored in (auto: the model's)."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),

@@ -147,14 +147,13 @@ def save(agent: "Agent", directory: str | Path, overwrite: bool = False) -> Path
         else:
             agent.memory.archive.save()
         archive = {"name": name, "last_id": agent.memory.archive.last_id()}
-    data = _state_bytes(agent)
-    state_name = f"state-{generation}.pt"
-    atomic_write(directory / state_name, data)
+    state_name, written = f"state-{generation}.pt", _Checksummed()
+    atomic_write(directory / state_name, lambda handle: torch.save(_state(agent), written.over(handle)))
     manifest = {
         "kind": KIND, "format_version": FORMAT_VERSION, "generation": generation,
         "conversation": agent.conversation_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": model_identity(agent.loaded), "config": _config_dict(agent.config), "turns": agent.turn_index,
-        "state": state_name, "state_bytes": len(data), "state_crc32": zlib.crc32(data),
+        "state": state_name, "state_bytes": written.size, "state_crc32": written.crc32,
         "archive": archive["name"] if archive else None, "archive_last_id": archive["last_id"] if archive else None,
     }
     atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -162,23 +161,46 @@ def save(agent: "Agent", directory: str | Path, overwrite: bool = False) -> Path
     return directory
 
 
-def _state_bytes(agent: "Agent") -> bytes:
-    compact = lambda t: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)  # noqa: E731
+class _Checksummed:
+    """A file handle that counts and checksums what is written through it (the manifest records both)."""
+
+    def __init__(self):
+        self.handle, self.size, self.crc32 = None, 0, 0
+
+    def over(self, handle) -> "_Checksummed":
+        self.handle = handle
+        return self
+
+    def write(self, data) -> int:
+        self.size += len(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """On the CPU, and not a view of a much larger buffer (torch.save writes a view's whole storage)."""
+    tensor = tensor.detach().to("cpu")
+    if tensor.untyped_storage().nbytes() > 1.25 * tensor.numel() * tensor.element_size():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _state(agent: "Agent") -> dict:
     from cache.store import _mapped
 
-    state = {
+    return {
         "agent": {"turn_index": agent.turn_index, "notes": agent.notes,
                   "history": [{"index": t.index, "text": t.text, "segment": t.segment, "topic": t.topic,
                                "reply": t.reply} for t in agent.history]},
-        "store": _mapped(agent.store.state(), compact),
+        "store": _mapped(agent.store.state(), _compact),
         "tracker": agent.tracker.state() if agent.tracker is not None else None,
         "graph": agent.graph.state() if agent.graph is not None else None,
         "summary": agent.summary.state() if agent.summary is not None else None,
         "memory": agent.memory.state() if agent.memory is not None else None,
     }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
 
 
 def _remove_unnamed(directory: Path, manifest: dict) -> None:

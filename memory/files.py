@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 TEMP_SUFFIX = ".tmp"
 
@@ -23,10 +24,12 @@ class ArchiveError(Exception):
         super().__init__(" ".join(f"{self.path}: {reason}".split()))
 
 
-def atomic_write(path: Path, data: bytes | memoryview, sync: bool = True) -> None:
+def atomic_write(path: Path, data: bytes | memoryview | Callable[[BinaryIO], None], sync: bool = True) -> None:
+    """`data`: the bytes, or a function that writes them to the handle it is given (streamed: a large
+    file is never held in memory whole)."""
     temp = path.with_name(path.name + TEMP_SUFFIX)
     with open(temp, "wb") as handle:
-        handle.write(data)
+        data(handle) if callable(data) else handle.write(data)
         if sync:
             handle.flush()
             os.fsync(handle.fileno())

@@ -216,3 +216,15 @@ def test_cli_bad_files_are_one_line(monkeypatch, capsys, tmp_path):
 def test_cli_data_check(monkeypatch, capsys):
     code, out, _ = palace(monkeypatch, capsys, "data", "check", str(FIXTURE))
     assert code == 0 and "1 dialogues · 12 turns · 2 probes" in out
+
+
+def test_hybrid_topics_evicts_whole_topic_segments_within_budget(loaded, dialogues):
+    """`hybrid+topics`: no memory, the classifier's topics as segments, the hybrid's segment granularity."""
+    from agent.eval.runners import make_runner
+
+    config = make_runner("hybrid+topics", 128, "float32", loaded).config
+    assert config.topics and config.memory is None and config.hybrid.granularity == "segment"
+    assert make_runner("hybrid", 128, "float32", loaded).config.hybrid.granularity == "token"
+    result = evaluate(loaded, dialogues, EvalConfig(["hybrid", "hybrid+topics"], Budget(128, percent=False)))
+    topics = run_of(result, "hybrid+topics")
+    assert max(sample.kv_tokens for sample in topics.turns) <= 128 and len(topics.probes) == len(run_of(result, "hybrid").probes)

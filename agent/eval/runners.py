@@ -14,6 +14,7 @@ import torch
 from agent.agent import Agent, AgentConfig, Turn
 from agent.engine import Feed, SamplingConfig, decode
 from agent.model import LoadedModel
+from cache.policies import HybridConfig
 from cache.storage import StorageConfig
 from cache.store import KVStore
 from memory.profile import ProfileConfig
@@ -111,7 +112,8 @@ MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text in
 GRAPH = "+graph"  # long-term memory whose recall the entity graph's resolved references also steer
 NOTES = "+notes"  # long-term memory with the profile and running summary as notes in the permanent tier
 PALACE = "+palace"  # both: the whole memory palace
-KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE)
+TOPICS = "+topics"  # no memory: the topic classifier's segments, which the hybrid evicts whole (granularity "segment")
+KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE, TOPICS)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -131,5 +133,6 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
         memory = replace(memory, referents=False)
     notes = kind in (NOTES, PALACE)
     return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
-                                           topics=bool(kind), memory=memory if kind else None,
+                                           hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
+                                           topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
                                            graph=kind in (GRAPH, NOTES, PALACE), profile=ProfileConfig() if notes else None))
