@@ -174,16 +174,21 @@ KILLED_SAVER = textwrap.dedent("""
 
 
 def test_a_process_killed_at_random_points_of_its_saves_leaves_a_loadable_session(tiny_loaded, tiny_dir, tmp_path):
-    session, rng, mid_save = tmp_path / "s", random.Random(7), 0  # kills after "save n", before "saved n"
+    session, rng, mid_save = tmp_path / "s", random.Random(7), 0
     root = Path(__file__).resolve().parents[1]
     for _ in range(6):
         child = subprocess.Popen([sys.executable, "-c", KILLED_SAVER, tiny_dir, str(session)], cwd=root, env=ONE_THREAD,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = [child.stdout.readline().split()]
         assert lines[0][:1] == ["ready"], child.stderr.read()
-        while lines[-1][0] != "save":  # aim at a save: a kill lands somewhere in its first quarter second
+        duration = None  # aim at a save: time one, then kill the next at a random point of its length
+        while duration is None or lines[-1][0] != "save":
             lines.append(child.stdout.readline().split())
-        time.sleep(rng.uniform(0.0, 0.25))
+            if lines[-1][0] == "save":
+                started = time.perf_counter()
+            elif lines[-1][0] == "saved" and len(lines) > 2:
+                duration = time.perf_counter() - started
+        time.sleep(rng.uniform(0.0, duration))
         child.send_signal(signal.SIGKILL)
         lines += [line.split() for line in child.stdout.read().splitlines()]
         child.wait()
