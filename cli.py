@@ -235,11 +235,10 @@ def memory_lines(agent) -> list[str]:
 @app.command()
 def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) -> None:
     """Model, device, dtype, layers, KV heads, head dim and bytes per cached token."""
-    from agent.model import load_model
+    from agent.model import head_dim, load_model
 
     loaded = load_model(model, device, dtype)
     config = loaded.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rows = {
         "model": loaded.name,
         "family": config.model_type,
@@ -249,7 +248,7 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
         "layers": config.num_hidden_layers,
         "query_heads": config.num_attention_heads,
         "kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim,
+        "head_dim": head_dim(config),
         "bytes_per_cached_token": loaded.kv_bytes_per_token(),
         "bytes_per_token_without_gqa": loaded.kv_bytes_per_token(gqa=False),
     }

@@ -45,12 +45,16 @@ class LoadedModel:
         return kv_bytes_per_token(self.config, dtype or self.dtype, gqa)
 
 
+def head_dim(config) -> int:
+    """Width of one attention head (configs that do not say it imply hidden size / query heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype, gqa: bool = True) -> int:
     """Keys and values of every layer for one token, for the model's KV heads (or, without GQA, one
     per query head), in float storage of `dtype`."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = config.num_key_value_heads if gqa else config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
+    return 2 * config.num_hidden_layers * heads * head_dim(config) * dtype.itemsize
 
 
 def cache_dir() -> Path:

@@ -71,10 +71,11 @@ class SessionInfo:
 
 def model_identity(loaded: "LoadedModel") -> dict:
     """What a saved cache depends on: the model's name and KV geometry, and its dtype."""
+    from agent.model import head_dim
+
     config = loaded.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {"name": loaded.name, "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-            "head_dim": head_dim, "vocab": config.vocab_size, "dtype": str(loaded.dtype).removeprefix("torch.")}
+            "head_dim": head_dim(config), "vocab": config.vocab_size, "dtype": str(loaded.dtype).removeprefix("torch.")}
 
 
 def new_conversation_id() -> str:
@@ -143,7 +144,7 @@ def save(agent: "Agent", directory: str | Path, overwrite: bool = False) -> Path
             agent.memory.archive.copy_to(target)
             from memory.archive import Archive
 
-            agent.memory.load_state(agent.memory.state(), Archive.open(target, agent.memory.archive.config))
+            agent.memory.attach(Archive.open(target, agent.memory.archive.config))
         else:
             agent.memory.archive.save()
         archive = {"name": name, "last_id": agent.memory.archive.last_id()}

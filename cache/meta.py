@@ -1,5 +1,8 @@
 """Per-token metadata of a KV cache, column-wise: what the policies rank by and what an archived span
-carries with it. One row per cached token, always in the tensors' order."""
+carries with it. One row per cached token, always in the tensors' order.
+
+Columns are always built as normal tensors, even inside inference mode (feeds and splices run there): the
+store writes them in place (pins, importance, surprisal), which inference tensors refuse outside it."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class TokenMeta:
         return cls.new(0, 0, 0, "system", 0)
 
     @classmethod
+    @torch.inference_mode(False)
     def new(cls, count: int, start: int, turn: int, role: str, segment: int,
             ids: list[int] | None = None, serial: int | None = None) -> "TokenMeta":
         """`count` fresh tokens at positions start.. with serials from `serial` (default `start`: a
@@ -45,12 +49,15 @@ class TokenMeta:
     def __len__(self) -> int:
         return self.turn.numel()
 
+    @torch.inference_mode(False)
     def cat(self, other: "TokenMeta") -> "TokenMeta":
         return TokenMeta(*(torch.cat((getattr(self, f.name), getattr(other, f.name))) for f in fields(self)))
 
+    @torch.inference_mode(False)
     def select(self, index: torch.Tensor | slice) -> "TokenMeta":
         return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
 
+    @torch.inference_mode(False)
     def clone(self) -> "TokenMeta":
         return TokenMeta(*(getattr(self, f.name).clone() for f in fields(self)))
 

@@ -223,10 +223,9 @@ class KVStore(Cache):
         take back their serials, turns and segments and are marked recalled at `turn`, so they are
         neither archived again nor recalled twice."""
         rows = slice(self.length - len(original), self.length)
-        with torch.inference_mode():  # as in pin()
-            for column in ("serial", "turn", "segment"):
-                getattr(self.meta, column)[rows] = getattr(original, column)
-            self.meta.recalled_at[rows] = turn
+        for column in ("serial", "turn", "segment"):
+            getattr(self.meta, column)[rows] = getattr(original, column)
+        self.meta.recalled_at[rows] = turn
 
     def holds(self, serials: torch.Tensor) -> torch.Tensor:
         """Bool mask: which of these serials the cache holds now."""
@@ -333,8 +332,7 @@ class KVStore(Cache):
         self.meta = self.meta.select(slice(0, length))
 
     def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
-        with torch.inference_mode():  # the columns may be inference tensors (rebuilt by a splice in inference mode)
-            self.meta.pinned[index] = pinned
+        self.meta.pinned[index] = pinned
 
     def find(self, ids: list[int]) -> torch.Tensor:
         """Indices of every cached occurrence of the token sequence `ids`."""

@@ -255,11 +255,15 @@ class LongTermMemory:
                 "vector_keys": keys,
                 "vectors": torch.from_numpy(np.stack([self.vectors[key] for key in keys])) if keys else None}
 
-    def load_state(self, state: dict, archive: Archive) -> None:
-        """Continue a saved conversation over its reopened archive (this memory's own is closed)."""
+    def attach(self, archive: Archive) -> None:
+        """Continue over `archive` (a copy of this memory's, or a saved session's); the current one is closed."""
         self.archive.close()
         self.archive = archive
         self.kept = archive.token_serials()
+
+    def load_state(self, state: dict, archive: Archive) -> None:
+        """Continue a saved conversation over its reopened archive."""
+        self.attach(archive)
         self.messages = {(turn, role): text for turn, role, text in state["messages"]}
         vectors = [] if state["vectors"] is None else state["vectors"].numpy()
         self.vectors = {tuple(key): vector for key, vector in zip(state["vector_keys"], vectors)}

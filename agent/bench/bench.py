@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from agent.engine import SamplingConfig, decode, forward, prefill
-from agent.model import kv_bytes_per_token
+from agent.model import head_dim, kv_bytes_per_token
 from cache.policies import HybridConfig, Policy, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore, TokenMeta
@@ -138,9 +138,8 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
 
 
 def kv_heads_info(config) -> dict:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {"layers": config.num_hidden_layers, "query_heads": config.num_attention_heads,
-            "kv_heads": config.num_key_value_heads, "head_dim": head_dim}
+            "kv_heads": config.num_key_value_heads, "head_dim": head_dim(config)}
 
 
 WEIGHT_LABELS = {"int8": "weight-only int8, one scale per row, lm_head float32",
