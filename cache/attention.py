@@ -10,7 +10,7 @@ would silently be lost."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
+    from cache.storage import FloatChunk, LayerStorage
     from cache.store import KVStore
 
 NAME = "palace"
@@ -75,9 +76,78 @@ def attend(query, key, value, mask, scaling, store: "KVStore | None" = None, lay
     return output.transpose(1, 2)
 
 
+def attend_chunks(query: torch.Tensor, chunks: Iterable[tuple[int, "FloatChunk"]], kv_len: int,
+                  mask: torch.Tensor | None, scaling: float | None, want_mass: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention read chunk by chunk with an online softmax (flash-decoding's combine), so a compact store
+    never materializes its whole float KV. `chunks` yields (first token, chunk), oldest first, covering
+    0..kv_len-1; a chunk computes its scores and weighted values in its own format (a quantized one
+    folds its scales into the queries and the weights instead of dequantizing, see `QuantChunk`).
+    Grouped queries read their KV head directly (GQA, no copies). Returns the output [1, q_len, heads,
+    dim] and, with `want_mass`, the attention mass each key receives, [kv_heads, kv_len], as
+    `attention_mass` gives it (kept per chunk, normalized once the final softmax is known)."""
+    _, heads, q_len, dim = query.shape
+    scale = scaling if scaling is not None else dim**-0.5
+    if mask is None and q_len > 1:
+        mask = causal_mask(q_len, kv_len, query.device)
+    visible = None if mask is None else mask[0, 0, :, -kv_len:]  # [q_len, kv_len] bool
+    best = total = out = grouped = None
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for first, chunk in chunks:
+        if grouped is None:
+            kv_heads = chunk.kv_heads
+            grouped = query[0].reshape(kv_heads, heads // kv_heads * q_len, dim)  # head h = kv * group + j
+        scores = chunk.scores(grouped).mul_(scale)  # [kv, group*q, n], float32
+        if visible is not None:
+            part = visible[:, first:first + scores.shape[-1]]
+            scores = scores.view(kv_heads, -1, q_len, part.shape[-1]).masked_fill_(~part, float("-inf")).view_as(scores)
+        peak = scores.amax(dim=-1)
+        new_best = peak if best is None else torch.maximum(best, peak)
+        shift = torch.where(torch.isfinite(new_best), new_best, torch.zeros_like(new_best))
+        weights = scores.sub_(shift[..., None]).exp_()  # in place: scores are not needed again
+        chunk_out = chunk.weighted(weights)
+        if best is None:
+            total, out = weights.sum(dim=-1), chunk_out
+        else:
+            carry = (best - shift).exp()  # rescale what earlier chunks summed to the new maximum
+            total = total.mul_(carry).add_(weights.sum(dim=-1))
+            out = out.mul_(carry[..., None]).add_(chunk_out)
+        if want_mass:
+            kept.append((weights, shift))
+        best = new_best
+    if grouped is None:
+        raise ValueError("attention over an empty cache")
+    out = (out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).to(query.dtype)
+    output = out.view(kv_heads, heads // kv_heads, q_len, dim).reshape(heads, q_len, dim).transpose(0, 1)[None]
+    mass = None
+    if want_mass:
+        final = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
+        norm = total.clamp_min(torch.finfo(torch.float32).tiny)
+        mass = torch.cat([(w * ((s - final).exp() / norm)[..., None]).sum(dim=1) for w, s in kept], dim=-1)
+    return output, mass
+
+
+DECODE_ROWS = 16  # queries up to which a float view is read by the chunked path too: as fast as SDPA there, mass included
+
+
+def attend_store(query, storage: "LayerStorage", mask, scaling, store: "KVStore", layer_idx: int) -> torch.Tensor:
+    """Attention of one sequence's new queries over its store's layer, read in the storage's own format.
+    A float layer whose queries are many (prefill) goes to SDPA over a view; everything else reads the
+    storage's chunks (a compact store dequantizes one chunk at a time, a paged one reads its blocks)."""
+    recording = store.recording and not store.frozen
+    view = storage.view(query.dtype)
+    if view is not None and query.shape[2] > DECODE_ROWS:
+        return attend(query, *view, mask, scaling, store, layer_idx)
+    output, mass = attend_chunks(query, storage.chunks(query.dtype), storage.length, mask, scaling, recording)
+    if recording:
+        store.add_importance(layer_idx, mass)
+    return output
+
+
 def palace_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """With `kv_pieces`: append each piece's new keys/values to its store and attend within it.
-    Without: plain attention over whatever cache transformers passed (e.g. a DynamicCache).
+    """With `kv_pieces`: append each piece's new keys/values to its store and attend within it, reading
+    the store's format directly (nothing is copied out whole, nothing retained). Without: plain
+    attention over whatever cache transformers passed (e.g. a DynamicCache).
     Returns ([batch, q_len, heads, dim], None) like transformers' own."""
     pieces: list[Piece] | None = kwargs.get("kv_pieces")
     if pieces is None:
@@ -85,8 +155,10 @@ def palace_attention(module, query, key, value, attention_mask, scaling=None, dr
     outputs, start = [], 0
     for piece in pieces:
         end = start + piece.count
-        keys, values = piece.store.layers[module.layer_idx].update(key[:, :, start:end], value[:, :, start:end])
-        outputs.append(attend(query[:, :, start:end], keys, values, piece.mask, scaling, piece.store, module.layer_idx))
+        layer = piece.store.layers[module.layer_idx]
+        layer.append(key[:, :, start:end], value[:, :, start:end])
+        outputs.append(attend_store(query[:, :, start:end], layer.storage, piece.mask, scaling, piece.store,
+                                    module.layer_idx))
         start = end
     return torch.cat(outputs, dim=1).contiguous(), None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.storage import check_kind
+from cache.storage import CHUNK, FloatChunk, check_kind
 
 BLOCK_SIZE = 16  # tokens per block (vLLM's default)
 
@@ -19,7 +19,8 @@ class BlockPoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    """One store's blocks, shared by all its layers: keys/values [blocks, kv_heads, block_size, head_dim],
+    """One layer's blocks (a pool may also be shared, e.g. by a fork): keys/values [kv_heads, blocks, block_size, head_dim]
+    (head-major, so a run of consecutive blocks is one strided view attention reads without a gather),
     a free list and ref counts. At most `max_blocks` blocks ever exist (the storage behind them grows in
     steps up to that); asking for one more raises BlockPoolExhausted instead of growing without bound.
     Blocks are never moved, only reused."""
@@ -39,7 +40,7 @@ class BlockPool:
 
     def block_bytes(self) -> int:
         """Bytes of one block, keys plus values."""
-        return 2 * self.keys[0].numel() * self.keys.element_size() if self.keys is not None else 0
+        return 2 * self.keys[:, 0].numel() * self.keys.element_size() if self.keys is not None else 0
 
     def nbytes(self) -> int:
         """Bytes the pool holds, used or free."""
@@ -54,12 +55,12 @@ class BlockPool:
         if old >= self.max_blocks:
             raise BlockPoolExhausted(f"KV block pool exhausted: all {self.max_blocks} blocks of {self.block_size} "
                                      f"tokens are in use (size the store for more tokens)")
-        new = min(self.max_blocks, max(64, 2 * old))
-        shape = (new, like.shape[0], self.block_size, like.shape[2])
+        new = min(self.max_blocks, old + max(16, old // 4))  # steps of a quarter: at most 25 % slack held
+        shape = (like.shape[0], new, self.block_size, like.shape[2])
         keys = torch.zeros(shape, dtype=self.dtype or like.dtype, device=like.device)
         values = torch.zeros_like(keys)
         if self.keys is not None:
-            keys[:old], values[:old] = self.keys, self.values
+            keys[:, :old], values[:, :old] = self.keys, self.values
         self.keys, self.values = keys, values
         self.refs.extend([0] * (new - old))
         self.free_blocks.extend(range(new - 1, old - 1, -1))  # pop() hands out low ids first
@@ -107,7 +108,7 @@ class PagedStorage:
         block = self.table[slot]
         if self.pool.refs[block] > 1:
             fresh = self.pool.allocate(like)
-            self.pool.keys[fresh], self.pool.values[fresh] = self.pool.keys[block], self.pool.values[block]
+            self.pool.keys[:, fresh], self.pool.values[:, fresh] = self.pool.keys[:, block], self.pool.values[:, block]
             self.pool.free(block)
             self.table[slot] = block = fresh
         return block
@@ -119,8 +120,8 @@ class PagedStorage:
             slot, offset = divmod(self.length, self.block_size)
             take = min(self.block_size - offset, count - done)
             block = self._writable(slot, keys)
-            self.pool.keys[block, :, offset : offset + take] = keys[:, done : done + take]
-            self.pool.values[block, :, offset : offset + take] = values[:, done : done + take]
+            self.pool.keys[:, block, offset : offset + take] = keys[:, done : done + take]
+            self.pool.values[:, block, offset : offset + take] = values[:, done : done + take]
             done += take
             self.length += take
 
@@ -135,12 +136,32 @@ class PagedStorage:
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         """Blocks of the table, in order, as one contiguous [1, kv_heads, length, head_dim] tensor."""
         index = torch.tensor(self.table, dtype=torch.long, device=pool.device)
-        return pool.index_select(0, index).transpose(0, 1).flatten(1, 2)[None, :, : self.length]
+        return pool.index_select(1, index).flatten(1, 2)[None, :, : self.length]
 
     def fetch(self):
-        """Contiguous keys and values in compute precision, for SDPA (which cannot read a block table)."""
+        """Contiguous keys and values in compute precision (a copy: for compaction and saving)."""
         dtype = self.compute_dtype or self.pool.keys.dtype
         return self._gather(self.pool.keys).to(dtype), self._gather(self.pool.values).to(dtype)
+
+    def view(self, dtype):
+        return None  # blocks are not one tensor
+
+    def chunks(self, dtype):
+        """CHUNK tokens at a time, at the same positions as the other float kinds: a chunk whose blocks
+        are consecutive in the pool (the usual case, a layer's blocks being allocated in order) is one
+        strided view of it; only a chunk broken up by a fork's copied block or by reuse is gathered."""
+        per_chunk = max(1, CHUNK // self.block_size)
+        for slot in range(0, len(self.table), per_chunk):
+            blocks = self.table[slot : slot + per_chunk]
+            first, stop = slot * self.block_size, min(self.length, (slot + len(blocks)) * self.block_size)
+            if all(b - a == 1 for a, b in zip(blocks, blocks[1:])):
+                keys, values = (pool[:, blocks[0] : blocks[-1] + 1].flatten(1, 2)[:, : stop - first]
+                                for pool in (self.pool.keys, self.pool.values))
+            else:
+                index = torch.tensor(blocks, dtype=torch.long, device=self.pool.keys.device)
+                keys, values = (pool.index_select(1, index).flatten(1, 2)[:, : stop - first]
+                                for pool in (self.pool.keys, self.pool.values))
+            yield first, FloatChunk(keys.to(dtype), values.to(dtype))
 
     def replace(self, keys, values):
         """Install a compacted sequence: every block goes back to the pool, then the kept tokens are written
@@ -152,7 +173,7 @@ class PagedStorage:
         """Crop to `length` tokens, freeing every block past the last one still used."""
         self.length = min(self.length, max(0, length))
         used = -(-self.length // self.block_size)
-        for block in self.table[used:]:
+        for block in reversed(self.table[used:]):  # the free list is LIFO: refilled in table order, ids ascend
             self.pool.free(block)
         del self.table[used:]
 

@@ -1,17 +1,37 @@
 """How one layer's keys and values are held. Every storage kind has the same small surface
-(mlx-lm style): `update_and_fetch` appends new tokens and returns all of them in compute precision
-(`append` only appends: a splice needs nothing back), `replace` installs a compacted (kept,
-re-rotated) sequence, `truncate` crops back, `nbytes` counts the memory really held, and
-`state` / `load_state` save and restore it (`from_state` builds a new one from a state)."""
+(mlx-lm style): `append` appends new tokens, `chunks` reads them back for attention a chunk at a time in
+compute precision (so a compact kind never holds a float copy of the whole layer), `view` gives a float
+kind's tokens without a copy, `fetch` / `update_and_fetch` return all of them in one float tensor (a
+transient copy for compaction, saving and transformers' own attention, never retained), `replace`
+installs a compacted (kept, re-rotated) sequence, `truncate` crops back, `nbytes` counts the memory
+really held, and `state` / `load_state` save and restore it (`from_state` builds a new one)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
 GROW = 64  # tokens: capacity grows in steps, so appends rarely reallocate and nbytes stays close to use
+CHUNK = 4096  # tokens per chunk read by attention: the most float KV a compact layer materializes at once
+
+
+class FloatChunk:
+    """A run of float tokens as attention reads it: keys and values [kv_heads, n, head_dim], in the
+    compute dtype. (The quantized kind has its own, `cache.quant.QuantChunk`, with the same two methods.)"""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.kv_heads = keys.shape[0]
+
+    def scores(self, grouped: torch.Tensor) -> torch.Tensor:
+        """grouped queries [kv_heads, rows, head_dim] -> [kv_heads, rows, n] dot products (float32)."""
+        return torch.matmul(grouped.to(self.keys.dtype), self.keys.transpose(-1, -2)).float()
+
+    def weighted(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights [kv_heads, rows, n] -> [kv_heads, rows, head_dim] weighted sum of the values (float32)."""
+        return torch.matmul(weights.to(self.values.dtype), self.values).float()
 
 
 class LayerStorage(Protocol):
@@ -22,6 +42,10 @@ class LayerStorage(Protocol):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 
     def fetch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def chunks(self, dtype: torch.dtype) -> Iterator[tuple[int, FloatChunk]]: ...
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 
@@ -76,6 +100,17 @@ class ContiguousStorage:
     def fetch(self):
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def view(self, dtype):
+        """The held tokens without a copy, when they are already in the compute dtype."""
+        return self.fetch() if self.keys is not None and self.keys.dtype == dtype else None
+
+    def chunks(self, dtype):
+        """Views of CHUNK tokens at a time (converted one chunk at a time when stored in another dtype).
+        Every float kind cuts chunks at the same positions, so they compute the same sums in the same order."""
+        for start in range(0, self.length, CHUNK):
+            stop = min(start + CHUNK, self.length)
+            yield start, FloatChunk(self.keys[0, :, start:stop].to(dtype), self.values[0, :, start:stop].to(dtype))
+
     def replace(self, keys, values):
         """Install a compacted sequence; capacity shrinks to fit so evicted memory is really released."""
         self.keys = self.values = None
@@ -127,7 +162,8 @@ KV_DTYPES = (*FLOAT_KV, *QUANT_KV, "dynamic")
 @dataclass(frozen=True)
 class StorageConfig:
     """How a store holds its layers' KV. Float kinds store in that dtype (contiguous, or paged in
-    `block_size`-token blocks from one pool per store); int8/int4/fp8 quantize all but the newest
+    `block_size`-token blocks from one pool per layer, so a layer's blocks are allocated in order and
+    attention reads runs of them as views); int8/int4/fp8 quantize all but the newest
     `residual` tokens in groups of `group` tokens; `dynamic` is full -> int8 (`int8_tokens`) -> int4 by age.
     Paging is for float kinds only: quantized tiers already hold whole token groups. `max_tokens` bounds a
     paged pool when the policy has no budget."""
@@ -157,8 +193,8 @@ class StorageConfig:
             if not self.paged:
                 return [ContiguousStorage(dtype) for _ in range(num_layers)]
             tokens = self.max_tokens if capacity is None else capacity + max(256, capacity // 2)
-            pool = BlockPool(num_layers * (-(-tokens // self.block_size) + 1), self.block_size, dtype)
-            return [PagedStorage(pool) for _ in range(num_layers)]
+            return [PagedStorage(BlockPool(-(-tokens // self.block_size) + 1, self.block_size, dtype))
+                    for _ in range(num_layers)]
         if self.kv_dtype == "dynamic":
             config = DynamicConfig(residual=self.residual, int8_tokens=self.int8_tokens, group=self.group)
             return [DynamicStorage(config) for _ in range(num_layers)]

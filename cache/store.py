@@ -39,7 +39,10 @@ PLACEMENTS = ("end", "chronological")
 
 
 class ManagedLayer(CacheLayerMixin):
-    """Adapter from transformers' per-layer cache protocol to one LayerStorage."""
+    """Adapter from transformers' per-layer cache protocol to one LayerStorage. Its `keys` / `values`
+    stay None: the storage holds the tokens in its own format, our attention reads them from there
+    (`storage.chunks`), and a float copy of the whole layer is made only for a caller that asks
+    (`storage.fetch()`, or transformers' own attention through `update`), and not kept."""
 
     def __init__(self, storage: LayerStorage, store: "KVStore", first: bool):
         super().__init__()
@@ -48,13 +51,22 @@ class ManagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.is_initialized = key_states.device, True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, fetch: bool = False):
+        """Append new tokens; with `fetch`, also return all of them in compute precision (a transient copy)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = self.storage.update_and_fetch(key_states, value_states)
+        if fetch:
+            result = self.storage.update_and_fetch(key_states, value_states)
+        else:
+            result = self.storage.append(key_states, value_states)
         if self.first:
             self.store.declare_arrivals()
-        return self.keys, self.values
+        return result
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' own attention (a plain forward over the store, e.g. generate()) needs every token
+        in compute precision: it gets them, and nothing keeps them."""
+        return self.append(key_states, value_states, fetch=True)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.storage.length + query_length, 0
@@ -266,6 +278,7 @@ class KVStore(Cache):
         positions = torch.arange(start, start + len(moved))
         delta = positions - moved.position
         shifted, rotation = bool((delta != 0).any()), None
+        unchanged = self._unchanged_prefix(start, order, span)
         for i, layer in enumerate(self.layers):
             keys, values = self._sources(i, start, span)
             if order is not None:
@@ -274,15 +287,28 @@ class KVStore(Cache):
             if shifted:
                 rotation = rotation or self.rerotator.rotation(delta, keys.device)
                 keys = self.rerotator.shift(keys, rotation)
-            if start == 0:
+            if start == 0 and (layer.storage.exact_truncate or not unchanged):
                 layer.storage.replace(keys, values)
-            else:
-                layer.storage.truncate(start)
-                layer.storage.append(keys, values)
+            else:  # a quantized layer keeps the codes of its unchanged prefix: re-quantizing would add error each time
+                cut = start + (0 if layer.storage.exact_truncate else unchanged)
+                layer.storage.truncate(cut)
+                layer.storage.append(keys[:, :, cut - start:], values[:, :, cut - start:])
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
         moved.position = positions
         self.meta = self.meta.select(slice(0, start)).cat(moved)
+
+    def _unchanged_prefix(self, start: int, order: torch.Tensor | None, span: KVSpan | None) -> int:
+        """How many of the cache's first tokens a rewrite from 0 leaves where they are (same token, same
+        position): the leading run of `order` that picks the live tokens 0, 1, 2, ... in turn."""
+        if start or not self.length:
+            return 0
+        offset = len(span) if span is not None else 0
+        if order is None:
+            return 0 if offset else self.length
+        head = order[: self.length]
+        same = head == torch.arange(offset, offset + len(head))
+        return int(same.long().cumprod(0).sum())
 
     def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, kv_heads, tokens, head_dim] keys and values that `_rewrite` picks from, for one layer: the
@@ -343,7 +369,16 @@ class KVStore(Cache):
         return (starts[:, None] + torch.arange(width)).flatten()
 
     def memory_bytes(self) -> int:
-        return sum(layer.storage.nbytes() for layer in self.layers)
+        """Every byte the layers hold: each storage's tensors (capacity, scales, zero points, residual
+        window), and a block pool the layers share counted once, free blocks and all."""
+        total, pools = 0, {}
+        for layer in self.layers:
+            pool = getattr(layer.storage, "pool", None)
+            if pool is None:
+                total += layer.storage.nbytes()
+            else:
+                pools[id(pool)] = pool
+        return total + sum(pool.nbytes() for pool in pools.values())
 
     def state(self) -> dict:
         """Everything a session needs to continue from this store exactly: metadata, each layer's

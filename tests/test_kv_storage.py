@@ -70,17 +70,19 @@ def test_paged_matches_contiguous_through_decode_and_compaction(tiny):
 def test_paged_frees_blocks_on_compaction_and_truncate(tiny):
     store = store_for(tiny, storage=StorageConfig("float32", paged=True, block_size=16))
     feed(tiny, store, list(range(70)))
-    assert all(layer.storage.pool is store.layers[0].storage.pool for layer in store.layers)  # one pool per store
+    pools = {id(layer.storage.pool) for layer in store.layers}
+    assert len(pools) == len(store.layers)  # one pool per layer: its blocks are allocated in order
     storage = store.layers[0].storage
+    assert storage.table == list(range(5))  # consecutive: attention reads them as one view
     block_bytes = 2 * 2 * 16 * 16 * 4  # keys+values, 2 KV heads, 16 tokens, head_dim 16, float32
     assert len(storage.table) == 5 and storage.nbytes() == 5 * block_bytes == storage.pool.block_bytes() * 5
     store.keep(torch.arange(0, 70, 2))  # 35 tokens -> 3 blocks
-    assert len(storage.table) == 3 and storage.nbytes() == 3 * block_bytes
-    used = {block for layer in store.layers for block in layer.storage.table}
-    assert len(used) == 6 and sorted(storage.pool.free_blocks) == sorted(set(range(storage.pool.num_blocks)) - used)
+    assert len(storage.table) == 3 and storage.nbytes() == 3 * block_bytes and storage.table == [0, 1, 2]
+    assert sorted(storage.pool.free_blocks) == sorted(set(range(storage.pool.num_blocks)) - set(storage.table))
     store.truncate(16)
     assert storage.table and len(storage.table) == 1 and storage.nbytes() == block_bytes
-    assert storage.pool.refs.count(0) == storage.pool.num_blocks - 2  # one block per layer still held
+    assert storage.pool.refs.count(0) == storage.pool.num_blocks - 1  # one block still held
+    assert store.memory_bytes() == sum(layer.storage.pool.nbytes() for layer in store.layers)  # free blocks too
 
 
 def test_block_pool_fails_loudly_when_full():

@@ -6,7 +6,9 @@ transformers' own `generate()` with its DynamicCache on the same model, then the
 int4 weights (agent.model's weight-only quantizers, lm_head kept float32); it also measures each quantized
 model's top-1 next-token agreement with float32 on a real text. Part B builds a dialogue
 history of 2K and 8K tokens and times decode under each KV strategy (no cache, contiguous, paged,
-bfloat16, int8, int4, fp8, dynamic, and the hybrid policy at a 2K budget), with the KV bytes each holds.
+bfloat16, int8, int4, fp8, dynamic, and the hybrid policy at a 2K budget), with the KV bytes each store
+reports and, beside them, the process's resident growth from before the store was built to after its
+decode (garbage collected and freed heap pages handed back first), which a retained copy would show.
 
 Timing notes. A token's time is the gap between two emitted tokens (sample + one forward), for the
 engine and for generate() alike, so prefill and decode are separated the same way for both. The history
@@ -369,6 +371,42 @@ def time_nocache(model: torch.nn.Module, ids: list[int], tokens: int) -> tuple[f
     return (end[0] - wall) / tokens, (end[1] - cpu) / tokens
 
 
+def settled_rss() -> int:
+    """Resident bytes after collecting garbage and handing freed heap pages back to the system (glibc's
+    malloc_trim, where there is one), so what is left is what live objects hold."""
+    import ctypes
+    import gc
+
+    from agent.bench.soak import rss_bytes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_bytes()[0]
+
+
+def measure_row(model: torch.nn.Module, snap: "Snapshot", storage: StorageConfig, policy: Policy,
+                config: BenchConfig, compact: bool = False) -> dict:
+    """Install the history in a store, (optionally compact it to the policy's budget, timed apart), decode,
+    and report the time per token, the bytes the store says it holds and the process's resident growth
+    from before the store existed to after its decode (what it really holds, transient buffers freed)."""
+    before = settled_rss()
+    store = install(model, snap, storage, policy)
+    row = {}
+    if compact:
+        started = time.perf_counter()
+        store.make_room(1)
+        row["compact_ms"] = 1000 * (time.perf_counter() - started)
+    wall, cpu = time_decode(model, store, config.decode_tokens, config.warmup_tokens)
+    kv_bytes, kv_tokens = store.memory_bytes(), store.length  # after the decode, like the resident figure
+    resident = settled_rss() - before
+    del store
+    return {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "resident_bytes": resident,
+            "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall, "cpu_ms_per_token": 1000 * cpu, **row}
+
+
 def storage_for(kind: str) -> tuple[StorageConfig, str]:
     if kind == "contiguous":
         return StorageConfig("float32"), "contiguous float32"
@@ -397,27 +435,12 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
         for kind in config.kv_rows:
             storage, label = storage_for(kind)
             log(f"  part B @{length}: {label}")
-            store = install(model, snap, storage, make_policy("full", PolicyConfig()))
-            kv_bytes, kv_tokens = store.memory_bytes(), store.length
-            wall, cpu = time_decode(model, store, config.decode_tokens, config.warmup_tokens)
-            rows.append({"strategy": label, "kv_tokens": kv_tokens, "kv_bytes": kv_bytes,
-                         "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall,
-                         "cpu_ms_per_token": 1000 * cpu})
-            del store
+            rows.append({"strategy": label, **measure_row(model, snap, storage, make_policy("full", PolicyConfig()), config)})
         if length > config.hybrid_budget:
             log(f"  part B @{length}: {hybrid_label}")
             policy = make_policy("hybrid", PolicyConfig(budget=config.hybrid_budget))
-            store = install(model, snap, storage_for("contiguous")[0], policy)
-            started = time.perf_counter()
-            store.make_room(1)  # the history's compaction to the budget, timed apart from decode
-            compact_ms = 1000 * (time.perf_counter() - started)
-            kv_bytes, kv_tokens = store.memory_bytes(), store.length
-            wall, cpu = time_decode(model, store, config.decode_tokens, config.warmup_tokens)
-            rows.append({"strategy": f"{hybrid_label} (float32)", "kv_tokens": kv_tokens, "kv_bytes": kv_bytes,
-                         "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall,
-                         "cpu_ms_per_token": 1000 * cpu,
-                         "compact_ms": compact_ms})
-            del store
+            rows.append({"strategy": f"{hybrid_label} (float32)",
+                         **measure_row(model, snap, storage_for("contiguous")[0], policy, config, compact=True)})
         base = next((r for r in rows if r["strategy"] == "contiguous float32"), None)
         for row in rows:
             row["history"] = length
@@ -425,6 +448,7 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
             row["ms_vs_contiguous"] = ratio(row["ms_per_token"], base and base["ms_per_token"])
             row["cpu_ms_vs_contiguous"] = ratio(row["cpu_ms_per_token"], base and base["cpu_ms_per_token"])
             row["kv_vs_contiguous"] = ratio(row["kv_bytes"], base and base["kv_bytes"])
+            row["resident_vs_contiguous"] = ratio(row.get("resident_bytes"), base and base["resident_bytes"])
         per_token = kv_bytes_per_token(model.config, torch.float32)
         without = kv_bytes_per_token(model.config, torch.float32, gqa=False)
         no_gqa = {"history": length, "bytes_per_token_gqa": per_token, "bytes_per_token_without_gqa": without,
@@ -457,12 +481,15 @@ def render_part_b(result: dict) -> list[str]:
     lines = []
     for table in result["tables"]:
         lines.append(f"history {table['history']} tokens")
-        lines.append(f"  {'strategy':42} {'ms/token':>9} {'x contig':>8} {'cpu ms/tok':>10} {'x contig':>8} "
-                     f"{'KV MB':>8} {'x contig':>8} {'KV tokens':>9}")
+        lines.append(f"  {'strategy':32} {'ms/token':>9} {'x contig':>8} {'cpu ms/tok':>10} {'x contig':>8} "
+                     f"{'KV MB':>8} {'x contig':>8} {'RSS MB':>8} {'x contig':>8} {'KV tokens':>9}")
         for r in table["rows"]:
-            lines.append(f"  {r['strategy']:42} {fmt(r['ms_per_token']):>9} {fmt(r['ms_vs_contiguous'], '.2f'):>8} "
+            resident = r.get("resident_bytes")
+            lines.append(f"  {r['strategy']:32} {fmt(r['ms_per_token']):>9} {fmt(r['ms_vs_contiguous'], '.2f'):>8} "
                          f"{fmt(r.get('cpu_ms_per_token')):>10} {fmt(r.get('cpu_ms_vs_contiguous'), '.2f'):>8} "
-                         f"{fmt(r['kv_mb']):>8} {fmt(r['kv_vs_contiguous'], '.3f'):>8} {r['kv_tokens']:>9}")
+                         f"{fmt(r['kv_mb']):>8} {fmt(r['kv_vs_contiguous'], '.3f'):>8} "
+                         f"{fmt(None if resident is None else resident / 2**20):>8} "
+                         f"{fmt(r.get('resident_vs_contiguous'), '.3f'):>8} {r['kv_tokens']:>9}")
         g = table["gqa"]
         lines.append(f"  GQA: float32 KV for {table['history']} tokens is {g['kv_mb_gqa']:.1f} MB with "
                      f"{result['model']['kv_heads']} KV heads; {g['kv_mb_without_gqa']:.1f} MB without GQA "
