@@ -127,17 +127,14 @@ def attend_chunks(query: torch.Tensor, chunks: Iterable[tuple[int, "FloatChunk"]
     return output, mass
 
 
-DECODE_ROWS = 16  # queries up to which a float view is read by the chunked path too: as fast as SDPA there, mass included
-
-
 def attend_store(query, storage: "LayerStorage", mask, scaling, store: "KVStore", layer_idx: int) -> torch.Tensor:
-    """Attention of one sequence's new queries over its store's layer, read in the storage's own format.
-    A float layer whose queries are many (prefill) goes to SDPA over a view; everything else reads the
-    storage's chunks (a compact store dequantizes one chunk at a time, a paged one reads its blocks)."""
-    recording = store.recording and not store.frozen
+    """Attention of one sequence's new queries over its store's layer, read in the storage's own format:
+    a float layer held in the compute dtype goes to SDPA over a view of it; every other layer is read by
+    its chunks (a quantized one without dequantizing, a paged one straight from its blocks)."""
     view = storage.view(query.dtype)
-    if view is not None and query.shape[2] > DECODE_ROWS:
+    if view is not None:
         return attend(query, *view, mask, scaling, store, layer_idx)
+    recording = store.recording and not store.frozen
     output, mass = attend_chunks(query, storage.chunks(query.dtype), storage.length, mask, scaling, recording)
     if recording:
         store.add_importance(layer_idx, mass)

@@ -177,11 +177,9 @@ class Tier:
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized float32 tokens [start, stop), decoding only the groups that cover them."""
-        first, last = start // self.group, -(-stop // self.group)
-        keys = self.codec.decode(self.keys.narrow(first, last))
-        keys = keys.flatten(1, 2)[:, start - first * self.group : stop - first * self.group]
-        values = self.codec.decode(self.values.narrow(start, stop)).flatten(2)
-        return keys, values
+        first = start // self.group * self.group
+        keys, values = self.chunk(first, -(-stop // self.group) * self.group).dense()
+        return keys[:, start - first : stop - first], values[:, start - first : stop - first]
 
     def chunk(self, start: int, stop: int) -> QuantChunk:
         """Tokens [start, stop), both on group boundaries, as attention reads them (no copy)."""
