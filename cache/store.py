@@ -51,22 +51,22 @@ class ManagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.is_initialized = key_states.device, True
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, fetch: bool = False):
-        """Append new tokens; with `fetch`, also return all of them in compute precision (a transient copy)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if fetch:
-            result = self.storage.update_and_fetch(key_states, value_states)
-        else:
-            result = self.storage.append(key_states, value_states)
-        if self.first:
-            self.store.declare_arrivals()
-        return result
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append new tokens; our attention then reads them from the storage."""
+        self._write(self.storage.append, key_states, value_states)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """transformers' own attention (a plain forward over the store, e.g. generate()) needs every token
         in compute precision: it gets them, and nothing keeps them."""
-        return self.append(key_states, value_states, fetch=True)
+        return self._write(self.storage.update_and_fetch, key_states, value_states)
+
+    def _write(self, write, key_states: torch.Tensor, value_states: torch.Tensor):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        result = write(key_states, value_states)
+        if self.first:
+            self.store.declare_arrivals()
+        return result
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.storage.length + query_length, 0

@@ -21,6 +21,8 @@ trustworthy ones on a loaded machine (with more threads, CPU time also counts th
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -374,9 +376,6 @@ def time_nocache(model: torch.nn.Module, ids: list[int], tokens: int) -> tuple[f
 def settled_rss() -> int:
     """Resident bytes after collecting garbage and handing freed heap pages back to the system (glibc's
     malloc_trim, where there is one), so what is left is what live objects hold."""
-    import ctypes
-    import gc
-
     from agent.bench.soak import rss_bytes
 
     gc.collect()
