@@ -344,6 +344,8 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write every row as JSON here."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: torch's)."),
     parts: str = typer.Option("ab", "--parts", help="Letters of abc: a (engine speed), b (KV strategies), c (memory work per turn)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="Part B: time every strategy this many times, "
+                                         "interleaved, and report the median (default 3; 1 with --quick)."),
     soak: Optional[int] = typer.Option(None, "--soak", min=10, help="Instead: a soak of this many turns (1000 in the "
                                        "README) in one saved session with memory on: budget, RSS, archive disk and TTFT."),
     model: str = ModelOpt,
@@ -356,7 +358,7 @@ def bench(
         return
     if not parts or set(parts) - set("abc"):
         raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
-    config = BenchConfig.preset(quick, threads=threads, parts=parts)
+    config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds)
     make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)
 
@@ -379,7 +381,7 @@ def run_soak_command(turns: int, model: str, threads: int | None, json_path: str
 @app.command()
 def train(
     data: Optional[list[str]] = typer.Argument(None, help="Labelled dialogue files or folders (default: "
-                                               "data/dialogues.jsonl and data/topics/)."),
+                                               "data/dialogues.jsonl, data/topics/ and data/dev/)."),
     out: Optional[str] = typer.Option(None, "--out", help="Model file (default: data/models/topics.json)."),
     test_share: float = typer.Option(0.25, "--test-share", min=0.05, max=0.9, help="Share of dialogues held out."),
     seed: int = typer.Option(0, help="Seed of the held-out split."),
@@ -388,6 +390,10 @@ def train(
                              "(the persistence marker's clause model)."),
     evaluate: Optional[list[str]] = typer.Option(None, "--eval", help="persistence: annotated dialogues to print "
                                                  "precision and recall on (default: data/heldout/)."),
+    weight: Optional[list[str]] = typer.Option(None, "--weight", help="topics: PATH=K, the dialogues loaded through "
+                                               "PATH count K times (default: every dialogue once)."),
+    refit: bool = typer.Option(False, "--refit", help="topics: after the held-out figures, fit again on every "
+                               "dialogue and save that model."),
 ) -> None:
     """Train the topic-boundary classifier (print Pk, WindowDiff, boundary F1 and return accuracy on a
     held-out split next to two baselines) or the persistence marker (print span precision and recall on
@@ -404,7 +410,24 @@ def train(
         raise UserError(f"--what takes topics or persistence, got {what!r}")
     from classifiers.train import train_command
 
-    train_command(data, out, test_share, seed, rounds=rounds, echo=typer.echo)
+    train_command(data, out, test_share, seed, rounds=rounds, weights=parse_weights(weight), refit=refit,
+                  echo=typer.echo)
+
+
+def parse_weights(items: list[str] | None) -> dict[str, float] | None:
+    """`--weight PATH=K` items as {PATH: K}; None when none are given (the defaults then apply)."""
+    if not items:
+        return None
+    weights = {}
+    for item in items:
+        path, sep, value = item.rpartition("=")
+        try:
+            weights[path] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not path or weights[path] < 0:
+            raise UserError(f"--weight takes PATH=K with K a number >= 0, got {item!r}")
+    return weights
 
 
 @app.command()

@@ -33,7 +33,7 @@ def greedy(model, ids: list[int], count: int) -> list[int]:
             out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
     return out[len(ids):]
 
-CONFIG = BenchConfig(prompt_tokens=24, new_tokens=5, repeats=1, histories=(48, 128), decode_tokens=3, warmup_tokens=1,
+CONFIG = BenchConfig(prompt_tokens=24, new_tokens=5, repeats=1, histories=(48, 128), decode_tokens=3, warmup_tokens=1, rounds=2,
                      nocache_work=96, chunk=40, turn_tokens=20, hybrid_budget=48)
 
 
@@ -102,6 +102,10 @@ def test_part_b_tables_are_consistent(result_b, model):
         assert nocache["kv_bytes"] == 0 and nocache["kv_vs_contiguous"] == 0
         tokens = table["history"] + CONFIG.warmup_tokens + CONFIG.decode_tokens + 1  # bytes are read after the decode
         assert base["kv_tokens"] == tokens and base["ms_vs_contiguous"] == pytest.approx(1.0)
+        for row in table["rows"][1:]:  # every strategy timed in each round, the median run reported
+            assert len(row["ms_per_token_runs"]) == CONFIG.rounds and row["ms_per_token"] in row["ms_per_token_runs"]
+            assert row["ms_vs_contiguous_runs"] == pytest.approx(
+                [a / b for a, b in zip(row["ms_per_token_runs"], base["ms_per_token_runs"])])
         for row in table["rows"]:
             assert row["ms_per_token"] > 0
             assert row["ms_vs_contiguous"] == pytest.approx(row["ms_per_token"] / base["ms_per_token"])

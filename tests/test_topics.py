@@ -162,3 +162,37 @@ def test_agent_observe_uses_the_topic_classifier(embedded):
     assert turn.topic == "return:0" and turn.segment == 0
     stats = agent.stats()
     assert stats["topic"] == 0 and 0 in stats["topic_stack"]
+
+
+def test_training_weights_a_folder_holds_out_its_share_and_refits_on_everything(tmp_path, embedder):
+    """`palace train` on a generated file and a folder of one-dialogue files: the folder is one group of the
+    split (a quarter of it held out), its --weight reaches the fit, and --refit saves a model fitted on all."""
+    from cli import UserError, parse_weights
+    from classifiers.train import collect, embed_all, load_conversations, make_idf, split, train_command
+
+    folder = tmp_path / "hand"
+    folder.mkdir()
+    for name in ("dev-01", "dev-02", "dev-03", "dev-04"):
+        (folder / f"{name}.jsonl").write_text((ROOT / "data" / "dev" / f"{name}.jsonl").read_text())
+    generated = str(ROOT / "tests" / "fixtures" / "topics-natural.jsonl")
+    conversations = load_conversations([generated, str(folder)], {str(folder): 3.0})
+    assert {(c.group, c.weight) for c in conversations} == {(generated, 1.0), (str(folder), 3.0)}
+    _, test = split(conversations, 0.25, seed=0)
+    assert sum(c.group == str(folder) for c in test) == 1  # a folder of four: one held out
+    embed_all(conversations, embedder)
+    rows = collect(conversations, TopicModel({}, {}, *make_idf(conversations)))
+    hand_turns = sum(len(c.users) - 1 for c in conversations if c.weight == 3.0)
+    assert [w for *_, w in rows.turns].count(3.0) == hand_turns and 3.0 in rows.rank_w
+
+    lines: list[str] = []
+    out = tmp_path / "topics.json"
+    model = train_command([generated, str(folder)], str(out), rounds=0, weights=parse_weights([f"{folder}=3"]),
+                          refit=True, echo=lines.append)
+    assert any(line.startswith("model ") for line in lines) and any("refitted on all" in line for line in lines)
+    saved = json.loads(out.read_text())["meta"]
+    assert saved["refit_on_all"] and len(saved["train_dialogues"]) == len(conversations)
+    assert list(saved["weights"].values()) == [3.0]
+    assert TopicModel.load(out).decider and model.decider
+    for bad in ("data/dev", "data/dev=lots", "=2", "data/dev=-1"):
+        with pytest.raises(UserError, match="--weight takes PATH=K"):
+            parse_weights([bad])

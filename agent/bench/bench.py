@@ -53,6 +53,7 @@ class BenchConfig:
     repeats: int = 2  # Part A: best of this many interleaved runs
     histories: tuple[int, ...] = (2048, 8192 - 64)  # Part B history lengths (SmolLM2 has 8192 positions)
     decode_tokens: int = 16  # Part B timed decode tokens per row
+    rounds: int = 3  # Part B: every strategy timed this many times, interleaved; the median is reported
     warmup_tokens: int = 2  # Part B untimed tokens before those
     nocache_work: int = 4096  # Part B no-cache row: timed tokens = max(1, nocache_work // history)
     chunk: int = 512  # history prefill chunk
@@ -66,7 +67,7 @@ class BenchConfig:
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> "BenchConfig":
-        base = cls(prompt_tokens=128, new_tokens=16, repeats=1, histories=(256, 1024), decode_tokens=8,
+        base = cls(prompt_tokens=128, new_tokens=16, repeats=1, histories=(256, 1024), decode_tokens=8, rounds=1,
                    nocache_work=1024, chunk=256, turn_tokens=64, hybrid_budget=256, memory_turns=20) if quick else cls()
         return base if not overrides else BenchConfig(**{**asdict(base), **{k: v for k, v in overrides.items() if v is not None}})
 
@@ -406,6 +407,12 @@ def measure_row(model: torch.nn.Module, snap: "Snapshot", storage: StorageConfig
             "timed_tokens": config.decode_tokens, "ms_per_token": 1000 * wall, "cpu_ms_per_token": 1000 * cpu, **row}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median time per token (its bytes with it), and every run's time, for the spread."""
+    middle = sorted(runs, key=lambda r: r["ms_per_token"])[len(runs) // 2]
+    return {**middle, "ms_per_token_runs": [r["ms_per_token"] for r in runs]}
+
+
 def storage_for(kind: str) -> tuple[StorageConfig, str]:
     if kind == "contiguous":
         return StorageConfig("float32"), "contiguous float32"
@@ -431,20 +438,24 @@ def part_b(model: torch.nn.Module, turns: list[tuple[int, str, list[int]]], conf
         wall, cpu = time_nocache(model, snap.ids, count)
         rows.append({"strategy": "no cache (recompute)", "kv_tokens": 0, "kv_bytes": 0, "timed_tokens": count,
                      "ms_per_token": 1000 * wall, "cpu_ms_per_token": 1000 * cpu})
-        for kind in config.kv_rows:
-            storage, label = storage_for(kind)
-            log(f"  part B @{length}: {label}")
-            rows.append({"strategy": label, **measure_row(model, snap, storage, make_policy("full", PolicyConfig()), config)})
+        strategies = [(label, storage, lambda: make_policy("full", PolicyConfig()), False)
+                      for storage, label in map(storage_for, config.kv_rows)]
         if length > config.hybrid_budget:
-            log(f"  part B @{length}: {hybrid_label}")
-            policy = make_policy("hybrid", PolicyConfig(budget=config.hybrid_budget))
-            rows.append({"strategy": f"{hybrid_label} (float32)",
-                         **measure_row(model, snap, storage_for("contiguous")[0], policy, config, compact=True)})
+            strategies.append((f"{hybrid_label} (float32)", storage_for("contiguous")[0],
+                               lambda: make_policy("hybrid", PolicyConfig(budget=config.hybrid_budget)), True))
+        runs: dict[str, list[dict]] = {label: [] for label, *_ in strategies}
+        for round_ in range(config.rounds):  # interleaved, so a slow spell of the machine hits every row alike
+            for label, storage, policy, compact in strategies:
+                log(f"  part B @{length}: {label} (round {round_ + 1}/{config.rounds})")
+                runs[label].append(measure_row(model, snap, storage, policy(), config, compact))
+        rows += [{"strategy": label, **median_run(measured)} for label, measured in runs.items()]
         base = next((r for r in rows if r["strategy"] == "contiguous float32"), None)
         for row in rows:
             row["history"] = length
             row["kv_mb"] = row["kv_bytes"] / 2**20
             row["ms_vs_contiguous"] = ratio(row["ms_per_token"], base and base["ms_per_token"])
+            if base and "ms_per_token_runs" in row:  # round by round: the spread of the ratio
+                row["ms_vs_contiguous_runs"] = [a / b for a, b in zip(row["ms_per_token_runs"], base["ms_per_token_runs"])]
             row["cpu_ms_vs_contiguous"] = ratio(row["cpu_ms_per_token"], base and base["cpu_ms_per_token"])
             row["kv_vs_contiguous"] = ratio(row["kv_bytes"], base and base["kv_bytes"])
             row["resident_vs_contiguous"] = ratio(row.get("resident_bytes"), base and base["resident_bytes"])
@@ -481,14 +492,15 @@ def render_part_b(result: dict) -> list[str]:
     for table in result["tables"]:
         lines.append(f"history {table['history']} tokens")
         lines.append(f"  {'strategy':32} {'ms/token':>9} {'x contig':>8} {'cpu ms/tok':>10} {'x contig':>8} "
-                     f"{'KV MB':>8} {'x contig':>8} {'RSS MB':>8} {'x contig':>8} {'KV tokens':>9}")
+                     f"{'KV MB':>8} {'x contig':>8} {'RSS MB':>8} {'x contig':>8} {'KV tokens':>9}  x contig by round")
         for r in table["rows"]:
             resident = r.get("resident_bytes")
             lines.append(f"  {r['strategy']:32} {fmt(r['ms_per_token']):>9} {fmt(r['ms_vs_contiguous'], '.2f'):>8} "
                          f"{fmt(r.get('cpu_ms_per_token')):>10} {fmt(r.get('cpu_ms_vs_contiguous'), '.2f'):>8} "
                          f"{fmt(r['kv_mb']):>8} {fmt(r['kv_vs_contiguous'], '.3f'):>8} "
                          f"{fmt(None if resident is None else resident / 2**20):>8} "
-                         f"{fmt(r.get('resident_vs_contiguous'), '.3f'):>8} {r['kv_tokens']:>9}")
+                         f"{fmt(r.get('resident_vs_contiguous'), '.3f'):>8} {r['kv_tokens']:>9}  "
+                         + " ".join(f"{x:.2f}" for x in r.get("ms_vs_contiguous_runs", [])))
         g = table["gqa"]
         lines.append(f"  GQA: float32 KV for {table['history']} tokens is {g['kv_mb_gqa']:.1f} MB with "
                      f"{result['model']['kv_heads']} KV heads; {g['kv_mb_without_gqa']:.1f} MB without GQA "
