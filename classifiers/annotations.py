@@ -74,8 +74,9 @@ def score_persistence(marker: PersistenceMarker, dialogues: list[dict]) -> dict:
     """Precision and recall (overlap and exact), overall and by type."""
     counts: dict[str, Counter] = defaultdict(Counter)
     for dialogue in annotated(dialogues, "persist"):
-        for turn in dialogue["turns"]:
-            gold, predicted = gold_spans(turn), marker.mark(turn["user"].replace("\u2019", "'"))
+        marked = marker.mark_dialogue([turn["user"].replace("\u2019", "'") for turn in dialogue["turns"]])
+        for turn, predicted in zip(dialogue["turns"], marked):
+            gold = gold_spans(turn)
             for name, same in (("all", lambda a, b: True), ("typed", lambda a, b: a.type == b.type)):
                 counts[name]["predicted"] += len(predicted)
                 counts[name]["gold"] += len(gold)

@@ -275,6 +275,30 @@ class PersistenceMarker:
                 spans.append(Span(start, end, text[start:end], verdict, channel(text[start:end]) or verdict))
         return sorted(spans, key=lambda s: (s.start, -s.end))
 
+    def mark_dialogue(self, texts: list[str]) -> list[list[Span]]:
+        """Each user turn's spans, a value only where the dialogue first states it: a name, number or date
+        mentioned again is not a new fact to keep (the annotated dialogues mark a value once, where it is
+        first given). Preferences and taboos are clauses, kept wherever they are said."""
+        seen: set[str] = set()
+        out = []
+        for text in texts:
+            spans = []
+            for span in self.mark(text):
+                key = _value_key(span.text)
+                if span.type in ("preference", "taboo") or key not in seen:
+                    spans.append(span)
+                if span.type not in ("preference", "taboo"):
+                    seen.add(key)
+                if span.attribute in ("name", "related name", "proper name"):  # "Freya" after "Freya Moreau"
+                    seen.update(key.split())
+            out.append(spans)
+        return out
+
+
+def _value_key(value: str) -> str:
+    """A value as compared across turns: case, a possessive and surrounding punctuation ignored."""
+    return re.sub(r"'s$", "", value.strip(" .,;:!?").lower())
+
 
 _CHANNELS = re.compile(r"\b(email|e-mail|text|sms|phone|call|ring|post|letter|whatsapp|app|voicemail)", re.I)
 

@@ -38,6 +38,18 @@ def test_a_stated_order_number_and_contact_details_are_marked_persistent():
     assert not PersistenceMarker(None).mark("What are your opening hours on a bank holiday?")
 
 
+def test_over_a_dialogue_a_value_is_marked_where_it_is_first_stated_and_wishes_wherever_said():
+    turns = ["I'm Freya Moreau, order KL-20931.", "Has KL-20931 shipped yet? Please never phone me.",
+             "It's in the name of Freya, yes. Please never phone me, as I said.", "Can it go to 37 Larch Close, Bristol BS3 4QT?"]
+    marked = PersistenceMarker(None).mark_dialogue(turns)
+    values = [[s.text for s in spans if s.type not in ("preference", "taboo")] for spans in marked]
+    assert "KL-20931" in values[0] and "Freya Moreau" in values[0]
+    assert "KL-20931" not in values[1] and not any("Freya" in v for v in values[2])  # named again: no new fact
+    assert any("Larch Close" in v for v in values[3])
+    assert [any(s.type == "taboo" for s in spans) for spans in marked] == [False, True, True, False]
+    assert [s.text for s in marked[1] if s.type != "taboo"] == []
+
+
 def test_a_corrected_address_supersedes_the_old_one_which_stays_queryable():
     graph = rules_graph()
     graph.observe(0, "I'm Dana Whitfield and we live at 37 Larch Close, Bristol BS3 4QT.")
