@@ -96,6 +96,7 @@ FEMALE_RELATIONS = ("daughter", "wife", "mother", "mum", "mom", "sister", "grand
                     "girlfriend", "fiancee", "niece", "aunt")
 MALE_RELATIONS = ("son", "husband", "father", "dad", "brother", "grandson", "grandad", "landlord", "boyfriend",
                   "fiance", "nephew", "uncle")
+SELF = "self"  # the relation of the name a user introduces themselves with
 DETERMINERS = r"the|my|our|your|his|her|their|this|that|these|those"
 _REFERENCE = re.compile(
     rf"\b(?:(?P<dem>(?:that|this) one|the other one|the (?:first|second|last|latter|former) one)"
@@ -169,6 +170,8 @@ class EntityGraph:
             kind = {"identity": "person" if named else "name" if span.attribute == "proper name" else "code"}.get(
                 span.type, span.type)
             relation = _relation_near(text, span.start, span.end) if kind == "person" else None
+            if relation is None and role == "user" and span.type == "identity" and span.attribute == "name":
+                relation = SELF  # "I'm Maureen Pettigrew": the user, never "he" or "she" in their own words
             if relation in PETS:
                 kind = "pet"
             head = span.text.split()[0].lower() if kind in ("person", "name") else span.attribute.split()[0]
@@ -196,18 +199,20 @@ class EntityGraph:
             self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="mentions", role=role, turn=turn)
             if start >= 0 and kind not in ("date", "amount", "contact", "address"):
                 named.append((entity, start, end))
-        if role == "user":
-            for head, start, end in nouns:  # "the engineer, Kieran" / "my landlord Martin": the phrase names him
-                for entity, name_start, name_end in named:
-                    between = text[end:name_start] if name_start >= end else text[name_end:start]
-                    if len(between) < 20 and _APPOSITION.fullmatch(between):
-                        entity.aliases.add(head)
-                        self.graph.add_edge(f"entity:{entity.key}", f"entity:{_key(head)}", kind="alias")
+        for head, start, end in nouns:  # "the engineer, Kieran" / "my landlord Martin": the phrase names him
+            for entity, name_start, name_end in named:
+                between = text[end:name_start] if name_start >= end else text[name_end:start]
+                if len(between) < 20 and _APPOSITION.fullmatch(between):
+                    entity.aliases.add(head)
+                    self.graph.add_edge(f"entity:{entity.key}", f"entity:{_key(head)}", kind="alias")
 
     def _entity(self, name: str, kind: str, head: str, relation: str | None) -> Entity:
         key = _key(name)
         entity = self.entities.get(key)
         if entity is None:
+            if relation is None and kind in ("name", "person") and any(  # "Maureen" after "I'm Maureen Pettigrew"
+                    e.relation == SELF and set(key.split()) < set(e.key.split()) for e in self.entities.values()):
+                relation = SELF
             entity = self.entities[key] = Entity(key, name, kind, head, relation)
             self.graph.add_node(f"entity:{key}", kind=kind, name=name)
         else:
@@ -306,7 +311,8 @@ class EntityGraph:
             candidates = [e for e in candidates if _compatible(e, word)]
         elif want[0] == "relation":
             related = [e for e in candidates if (e.relation == want[1] or want[1] in e.aliases) and e.kind != "thing"]
-            candidates = related or [e for e in candidates if e.head == want[1]]
+            named = [e for e in related if e.key != _key(want[1]) and not e.name.lower().endswith(want[1])]
+            candidates = named or related or [e for e in candidates if e.head == want[1]]  # Reece, not "brother"
         elif want[0] == "head":
             candidates = self._by_head(want[1], turn)
             named = [e for e in candidates if want[1] in e.aliases or e.head != want[1]]
@@ -366,6 +372,8 @@ _KIND_NOUNS = {"address": ("address", "postcode", "flat", "house", "place"), "co
 def _compatible(entity: Entity, word: str) -> bool:
     animate = entity.kind in ("person", "pet", "name")
     if word in PERSONAL:
+        if entity.relation == SELF:
+            return False
         gender = PERSONAL[word]
         if entity.relation in (FEMALE_RELATIONS if gender == "male" else MALE_RELATIONS):
             return False
