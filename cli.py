@@ -394,6 +394,10 @@ def train(
                                                "PATH count K times (default: every dialogue once)."),
     refit: bool = typer.Option(False, "--refit", help="topics: after the held-out figures, fit again on every "
                                "dialogue and save that model."),
+    cv: Optional[str] = typer.Option(None, "--cv", help="topics: instead of training, cross-validate the weight of "
+                                     "this folder's dialogues (one of DATA) and print a row per weight."),
+    cv_weights: str = typer.Option("0,1,3,6", "--cv-weights", help="topics, with --cv: the weights to compare."),
+    folds: int = typer.Option(5, "--folds", min=2, help="topics, with --cv: the number of folds."),
 ) -> None:
     """Train the topic-boundary classifier (print Pk, WindowDiff, boundary F1 and return accuracy on a
     held-out split next to two baselines) or the persistence marker (print span precision and recall on
@@ -410,6 +414,15 @@ def train(
         raise UserError(f"--what takes topics or persistence, got {what!r}")
     from classifiers.train import train_command
 
+    if cv is not None:
+        from classifiers.train import DEFAULT_DATA, cross_validate
+
+        try:
+            grid = [float(w) for w in cv_weights.split(",")]
+        except ValueError:
+            raise UserError(f"--cv-weights takes numbers separated by commas, got {cv_weights!r}") from None
+        cross_validate(data or DEFAULT_DATA, cv, grid, folds, seed, rounds, typer.echo)
+        return
     train_command(data, out, test_share, seed, rounds=rounds, weights=parse_weights(weight), refit=refit,
                   echo=typer.echo)
 

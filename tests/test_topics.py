@@ -196,3 +196,22 @@ def test_training_weights_a_folder_holds_out_its_share_and_refits_on_everything(
     for bad in ("data/dev", "data/dev=lots", "=2", "data/dev=-1"):
         with pytest.raises(UserError, match="--weight takes PATH=K"):
             parse_weights([bad])
+
+
+def test_cross_validation_scores_each_weight_on_folds_of_the_folder(tmp_path):
+    """`palace train --cv FOLDER`: one row per weight, each the mean over folds of the folder's dialogues."""
+    from classifiers.train import cross_validate
+
+    folder = tmp_path / "hand"
+    folder.mkdir()
+    for name in ("dev-01", "dev-02", "dev-03", "dev-04"):
+        (folder / f"{name}.jsonl").write_text((ROOT / "data" / "dev" / f"{name}.jsonl").read_text())
+    generated = str(ROOT / "tests" / "fixtures" / "topics-natural.jsonl")
+    lines: list[str] = []
+    rows = cross_validate([generated, str(folder)], str(folder), [0.0, 2.0], folds=2, rounds=0, echo=lines.append)
+    assert [row["weight"] for row in rows] == [0.0, 2.0] and "2-fold cross-validation over 4 dialogues" in lines[0]
+    assert all(0 <= row["pk"] <= 1 and 0 <= row["return_accuracy"] <= 1 for row in rows)
+    assert rows[0] != rows[1]  # the hand-written dialogues changed the fitted model
+    with pytest.raises(ValueError, match="fewer than 5 folds"):
+        cross_validate([generated, str(folder)], str(folder), [1.0], folds=5)
+
