@@ -433,12 +433,12 @@ def parse_weights(items: list[str] | None) -> dict[str, float] | None:
         return None
     weights = {}
     for item in items:
-        path, sep, value = item.rpartition("=")
+        path, _, value = item.rpartition("=")
         try:
             weights[path] = float(value)
         except ValueError:
-            sep = ""
-        if not sep or not path or weights[path] < 0:
+            weights[path] = -1.0  # not a number: refused below
+        if not path or weights[path] < 0:
             raise UserError(f"--weight takes PATH=K with K a number >= 0, got {item!r}")
     return weights
 

@@ -284,11 +284,13 @@ class PersistenceMarker:
         for text in texts:
             spans = []
             for span in self.mark(text):
-                key = _value_key(span.text)
-                if span.type in ("preference", "taboo") or key not in seen:
+                if span.type in ("preference", "taboo"):
                     spans.append(span)
-                if span.type not in ("preference", "taboo"):
-                    seen.add(key)
+                    continue
+                key = _value_key(span.text)
+                if key not in seen:
+                    spans.append(span)
+                seen.add(key)
                 if span.attribute in ("name", "related name", "proper name"):  # "Freya" after "Freya Moreau"
                     seen.update(key.split())
             out.append(spans)

@@ -19,7 +19,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -334,10 +334,10 @@ def split(conversations: list[Conversation], share: float, seed: int) -> tuple[l
     """A random held-out share of every group's dialogues (each path given: a file, or a folder of
     one-dialogue files), so each kind of dialogue is in both."""
     train, test = [], []
-    by_source: dict[str, list[Conversation]] = {}
+    by_group: dict[str, list[Conversation]] = {}
     for c in conversations:
-        by_source.setdefault(c.group, []).append(c)
-    for group in by_source.values():
+        by_group.setdefault(c.group, []).append(c)
+    for group in by_group.values():
         n = len(group)
         test_idx = set(random.Random(seed).sample(range(n), max(1, round(n * share)))) if n > 1 else set()
         train += [c for i, c in enumerate(group) if i not in test_idx]
@@ -420,10 +420,8 @@ def cross_validate(data: list[str], folder: str, weights: list[float], folds: in
         scores = []
         for fold in range(folds):
             test = {order[i] for i in range(fold, len(held), folds)}
-            train = [c for i, c in enumerate(held) if i not in test]
-            for c in train:
-                c.weight = weight
-            model = fit(others + (train if weight > 0 else []), rounds=rounds)
+            train = [replace(c, weight=weight) for i, c in enumerate(held) if i not in test and weight > 0]
+            model = fit(others + train, rounds=rounds)
             scores.append(evaluate([held[i] for i in sorted(test)], methods(model)["model"])[0])
         row = {"weight": weight, **{k: float(np.mean([getattr(s, k) for s in scores]))
                                     for k in ("pk", "return_accuracy", "boundary_f1")}}

@@ -164,16 +164,22 @@ def test_agent_observe_uses_the_topic_classifier(embedded):
     assert stats["topic"] == 0 and 0 in stats["topic_stack"]
 
 
-def test_training_weights_a_folder_holds_out_its_share_and_refits_on_everything(tmp_path, embedder):
+@pytest.fixture
+def folder(tmp_path):
+    """A folder of four hand-written one-dialogue files (copies of data/dev/dev-01..04)."""
+    folder = tmp_path / "hand"
+    folder.mkdir()
+    for name in ("dev-01", "dev-02", "dev-03", "dev-04"):
+        (folder / f"{name}.jsonl").write_text((ROOT / "data" / "dev" / f"{name}.jsonl").read_text())
+    return folder
+
+
+def test_training_weights_a_folder_holds_out_its_share_and_refits_on_everything(tmp_path, embedder, folder):
     """`palace train` on a generated file and a folder of one-dialogue files: the folder is one group of the
     split (a quarter of it held out), its --weight reaches the fit, and --refit saves a model fitted on all."""
     from cli import UserError, parse_weights
     from classifiers.train import collect, embed_all, load_conversations, make_idf, split, train_command
 
-    folder = tmp_path / "hand"
-    folder.mkdir()
-    for name in ("dev-01", "dev-02", "dev-03", "dev-04"):
-        (folder / f"{name}.jsonl").write_text((ROOT / "data" / "dev" / f"{name}.jsonl").read_text())
     generated = str(ROOT / "tests" / "fixtures" / "topics-natural.jsonl")
     conversations = load_conversations([generated, str(folder)], {str(folder): 3.0})
     assert {(c.group, c.weight) for c in conversations} == {(generated, 1.0), (str(folder), 3.0)}
@@ -198,14 +204,10 @@ def test_training_weights_a_folder_holds_out_its_share_and_refits_on_everything(
             parse_weights([bad])
 
 
-def test_cross_validation_scores_each_weight_on_folds_of_the_folder(tmp_path):
+def test_cross_validation_scores_each_weight_on_folds_of_the_folder(folder):
     """`palace train --cv FOLDER`: one row per weight, each the mean over folds of the folder's dialogues."""
     from classifiers.train import cross_validate
 
-    folder = tmp_path / "hand"
-    folder.mkdir()
-    for name in ("dev-01", "dev-02", "dev-03", "dev-04"):
-        (folder / f"{name}.jsonl").write_text((ROOT / "data" / "dev" / f"{name}.jsonl").read_text())
     generated = str(ROOT / "tests" / "fixtures" / "topics-natural.jsonl")
     lines: list[str] = []
     rows = cross_validate([generated, str(folder)], str(folder), [0.0, 2.0], folds=2, rounds=0, echo=lines.append)
