@@ -33,9 +33,18 @@ class Rerotator:
         return angles.cos(), angles.sin()
 
     @staticmethod
-    def shift(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """keys: [..., tokens, head_dim], rotated in float32 and returned in their own dtype. In place on
-        one temporary: on a CPU this runs at memory speed, so every full-size temporary costs."""
+    def shift(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], in_place: bool = False) -> torch.Tensor:
+        """keys: [..., tokens, head_dim], rotated in float32 and returned in their own dtype. On a CPU this
+        runs at memory speed, so every full-size temporary costs: float32 keys the caller owns
+        (`in_place`) are rotated half by half in place, with one half-size temporary."""
         cos, sin = rotation
-        exact = keys.float()
-        return rotate_half(exact).mul_(sin).addcmul_(exact, cos).to(keys.dtype)
+        if not (in_place and keys.dtype == torch.float32):
+            exact = keys.float()
+            return rotate_half(exact).mul_(sin).addcmul_(exact, cos).to(keys.dtype)
+        half = keys.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]  # the two halves turn by the same angles
+        first, second = keys[..., :half], keys[..., half:]
+        carried = first * sin
+        first.mul_(cos).addcmul_(second, sin, value=-1)
+        second.mul_(cos).add_(carried)
+        return keys

@@ -2,7 +2,10 @@
 tokens to splice back in (`KVStore.inject`). It carries everything a splice needs so nothing is
 recomputed: the tokens' metadata rows (ids, turn, role, segment, importance, surprisal, serial...) and
 every layer's keys and values as the cache held them. Keys keep RoPE applied at `meta.position`; a
-splice re-rotates them by the difference to wherever they land (cache/rope.py)."""
+splice re-rotates them by the difference to wherever they land (cache/rope.py).
+
+All layers sit in one tensor per side, so joining or selecting spans is one operation, not one per layer:
+at a few dozen tokens a span's work is per-call overhead (30 layers x 2 sides), not arithmetic."""
 
 from __future__ import annotations
 
@@ -15,22 +18,21 @@ from cache.meta import TokenMeta
 
 @dataclass
 class KVSpan:
-    """keys/values: one [kv_heads, tokens, head_dim] tensor per layer, tokens in `meta`'s row order."""
+    """keys/values: [layers, kv_heads, tokens, head_dim], tokens in `meta`'s row order."""
 
     meta: TokenMeta
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def __post_init__(self) -> None:
         """Misaligned tensors fail here, where the caller can still see why, not inside a splice."""
-        if not self.keys or len(self.keys) != len(self.values):
-            raise ValueError(f"a span needs the same number of key and value layers (>= 1), got {len(self.keys)} "
-                             f"and {len(self.values)}")
-        count = len(self.meta)
-        for name, layers in (("keys", self.keys), ("values", self.values)):
-            if any(t.dim() != 3 or t.shape[1] != count for t in layers):
-                shapes = sorted({tuple(t.shape) for t in layers})
-                raise ValueError(f"{name} must be [kv_heads, {len(self.meta)}, head_dim] in every layer, got {shapes}")
+        for name in ("keys", "values"):
+            shape = tuple(getattr(self, name).shape)
+            if len(shape) != 4 or not shape[0] or shape[2] != len(self.meta):
+                raise ValueError(f"{name} must be [layers >= 1, kv_heads, {len(self.meta)}, head_dim], got {list(shape)}")
+        if self.keys.shape[:3] != self.values.shape[:3]:
+            raise ValueError(f"keys {list(self.keys.shape)} and values {list(self.values.shape)} differ in layers, "
+                             "heads or tokens")
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -52,32 +54,31 @@ class KVSpan:
         meta = spans[0].meta
         for span in spans[1:]:
             meta = meta.cat(span.meta)
-        layers = range(len(spans[0].keys))
-        return cls(meta, [torch.cat([span.keys[i] for span in spans], dim=1) for i in layers],
-                   [torch.cat([span.values[i] for span in spans], dim=1) for i in layers])
+        return cls(meta, torch.cat([span.keys for span in spans], dim=2), torch.cat([span.values for span in spans], dim=2))
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSpan":
         """The same span with its KV on `device` in `dtype` (each None: unchanged); metadata stays on the CPU."""
         move = lambda t: t.to(device=device or t.device, dtype=dtype or t.dtype)  # noqa: E731
-        return KVSpan(self.meta, [move(t) for t in self.keys], [move(t) for t in self.values])
+        return KVSpan(self.meta, move(self.keys), move(self.values))
 
     def select(self, index: torch.Tensor) -> "KVSpan":
         """Only these tokens (e.g. leaving out those the live cache already holds: `~store.holds(span.serials)`)."""
         index = torch.as_tensor(index)
         if index.dtype == torch.bool:
             index = torch.nonzero(index).flatten()
-        return KVSpan(self.meta.select(index), [t.index_select(1, index.to(t.device)) for t in self.keys],
-                      [t.index_select(1, index.to(t.device)) for t in self.values])
+        device_index = index.to(self.keys.device)
+        return KVSpan(self.meta.select(index), self.keys.index_select(2, device_index),
+                      self.values.index_select(2, device_index))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
     def state(self) -> dict:
         """Plain CPU tensors (copies), for torch.save or an archive's own encoding."""
         cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
-        return {"meta": self.meta.state(), "keys": [cpu(t) for t in self.keys], "values": [cpu(t) for t in self.values]}
+        return {"meta": self.meta.state(), "keys": cpu(self.keys), "values": cpu(self.values)}
 
     @classmethod
     def from_state(cls, state: dict, device: torch.device | str | None = None) -> "KVSpan":
         """The span of a `state()`; its KV tensors are the state's own unless moved to another device."""
-        return cls(TokenMeta.from_state(state["meta"]), list(state["keys"]), list(state["values"])).to(device)
+        return cls(TokenMeta.from_state(state["meta"]), state["keys"], state["values"]).to(device)

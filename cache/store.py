@@ -174,6 +174,7 @@ class KVStore(Cache):
             self.frozen = False
 
     # --- compaction and splicing ------------------------------------------------------------------
+    @torch.inference_mode()  # the storage was filled by forwards in inference mode, and is written in place
     def keep(self, index: torch.Tensor) -> None:
         """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
         positions become 0..len-1 again. The dropped tokens go to `on_evict`, if set, once the cache is
@@ -211,17 +212,20 @@ class KVStore(Cache):
             raise ValueError(f"spans of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
         span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
         kept = self.policy.room_for(self.meta, len(span))
-        if kept is not None:  # make room and splice in one rewrite of the whole cache
+        if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
+            self.keep(kept)
+        elif kept is not None:  # make room and splice in one rewrite of the whole cache
             kept = torch.unique(kept.to(torch.long).cpu())
             evicted = self._evicted_spans(kept) if self.on_evict is not None else []
             ours, live = torch.arange(len(span)), kept + len(span)
-            order = torch.cat((live, ours) if at == "end" else (ours, live))
-            if at == "chronological":
-                order = order[torch.argsort(torch.cat((span.serials, self.meta.serial))[order], stable=True)]
+            order = torch.cat((ours, live))
+            order = order[torch.argsort(torch.cat((span.serials, self.meta.serial))[order], stable=True)]
             self._rewrite(0, order=order, span=span)
             for dropped in evicted:
                 self.on_evict(dropped)
-        elif at == "end":
+            self.next_logits = None
+            return
+        if at == "end":
             self._rewrite(self.length, span=span)
         else:  # the tail from the earliest insertion point, span and live tokens merged by serial
             start = self._chronological_index(span)
@@ -267,9 +271,17 @@ class KVStore(Cache):
         """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
         the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
         (None: all of them, as they are, which a splice needs and which costs no gather), with keys
-        re-rotated to positions start, start+1, ... From 0 it installs through `replace`, so compaction
-        really releases what it frees; from later on it truncates and appends, so a splice only moves
-        what comes after it (nothing at all before an injection at the end)."""
+        re-rotated to positions start, start+1, ... A leading run of `order` that leaves tokens where they
+        are is not moved at all. Only a rewrite of everything goes through `replace`, which releases
+        what it frees; otherwise the layers truncate and append (capacity stays at its peak, which a
+        budgeted cache refills every turn), and a quantized layer keeps the codes of what it does not
+        move, as re-quantizing would add error each time."""
+        unchanged = self._unchanged_prefix(start, order, span)
+        if unchanged:
+            offset = len(span) if span is not None else 0
+            order = order[unchanged:]
+            order = torch.where(order >= offset, order - unchanged, order)
+            start += unchanged
         moved = self.meta.select(slice(start, None))
         if span is not None:
             moved = span.meta.cat(moved)
@@ -278,21 +290,19 @@ class KVStore(Cache):
         positions = torch.arange(start, start + len(moved))
         delta = positions - moved.position
         shifted, rotation = bool((delta != 0).any()), None
-        unchanged = self._unchanged_prefix(start, order, span)
         for i, layer in enumerate(self.layers):
-            keys, values = self._sources(i, start, span)
+            keys, values, fresh = self._sources(i, start, span)
             if order is not None:
                 device_order = order.to(keys.device)
-                keys, values = keys.index_select(2, device_order), values.index_select(2, device_order)
+                keys, values, fresh = keys.index_select(2, device_order), values.index_select(2, device_order), True
             if shifted:
                 rotation = rotation or self.rerotator.rotation(delta, keys.device)
-                keys = self.rerotator.shift(keys, rotation)
-            if start == 0 and (layer.storage.exact_truncate or not unchanged):
+                keys = self.rerotator.shift(keys, rotation, in_place=fresh)
+            if start == 0:
                 layer.storage.replace(keys, values)
-            else:  # a quantized layer keeps the codes of its unchanged prefix: re-quantizing would add error each time
-                cut = start + (0 if layer.storage.exact_truncate else unchanged)
-                layer.storage.truncate(cut)
-                layer.storage.append(keys[:, :, cut - start:], values[:, :, cut - start:])
+            else:
+                layer.storage.truncate(start)
+                layer.storage.append(keys, values)
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
         moved.position = positions
@@ -300,34 +310,34 @@ class KVStore(Cache):
 
     def _unchanged_prefix(self, start: int, order: torch.Tensor | None, span: KVSpan | None) -> int:
         """How many of the cache's first tokens a rewrite from 0 leaves where they are (same token, same
-        position): the leading run of `order` that picks the live tokens 0, 1, 2, ... in turn."""
-        if start or not self.length:
+        position): the leading run of `order` that picks the live tokens 0, 1, 2, ... in turn (never
+        all of the sources: something is left to install)."""
+        if start or not self.length or order is None:
             return 0
         offset = len(span) if span is not None else 0
-        if order is None:
-            return 0 if offset else self.length
-        head = order[: self.length]
+        head = order[: min(self.length, len(order) - 1)]
         same = head == torch.arange(offset, offset + len(head))
         return int(same.long().cumprod(0).sum())
 
-    def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sources(self, layer_index: int, start: int, span: KVSpan | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """[1, kv_heads, tokens, head_dim] keys and values that `_rewrite` picks from, for one layer: the
         span's, on the cache's device and in its compute dtype, then the live tokens from `start` on
-        (read only if there are any)."""
+        (read only if there are any); and whether they are a new tensor the rewrite may modify (not a
+        view of the storage or of the span)."""
         layer = self.layers[layer_index]
         live = None
         if start < layer.storage.length:  # its own length: layer 0 is rewritten first
             keys, values = layer.storage.fetch()
             live = keys[:, :, start:], values[:, :, start:]
         if span is None:
-            return live
+            return *live, False
         keys, values = span.keys[layer_index][None], span.values[layer_index][None]
         if live is not None:
             keys, values = keys.to(live[0]), values.to(live[1])
-            return torch.cat((keys, live[0]), dim=2), torch.cat((values, live[1]), dim=2)
+            return torch.cat((keys, live[0]), dim=2), torch.cat((values, live[1]), dim=2), True
         if layer.is_initialized:
             keys, values = keys.to(layer.device), values.to(layer.device)
-        return keys, values
+        return keys, values, False
 
     def _evicted_spans(self, kept: torch.Tensor) -> list[KVSpan]:
         """What keeping `kept` drops, as one span per message (turn and role) it came from, messages in
@@ -344,11 +354,13 @@ class KVStore(Cache):
         evicted = evicted[torch.argsort(group, stable=True)]  # grouped by message, cache order within
         sizes = torch.bincount(group).tolist()
         kv = [layer.storage.fetch() for layer in self.layers]
-        gathered = [(k[0].index_select(1, evicted.to(k.device)).split(sizes, dim=1),
-                     v[0].index_select(1, evicted.to(v.device)).split(sizes, dim=1)) for k, v in kv]
+        # gathered along the [1, heads, tokens, dim] views themselves: a gather from a 3-d slice of one copies
+        # the whole layer first
+        keys = torch.cat([k.index_select(2, evicted.to(k.device)) for k, _ in kv]).split(sizes, dim=2)
+        values = torch.cat([v.index_select(2, evicted.to(v.device)) for _, v in kv]).split(sizes, dim=2)
         firsts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
-        return [KVSpan(self.meta.select(evicted[a:a + size]), [keys[i] for keys, _ in gathered],
-                       [values[i] for _, values in gathered]) for i, (a, size) in enumerate(zip(firsts, sizes))]
+        return [KVSpan(self.meta.select(evicted[a:a + size]), keys[i], values[i])
+                for i, (a, size) in enumerate(zip(firsts, sizes))]
 
     def truncate(self, length: int) -> None:
         """Crop back to the first `length` tokens. Not an eviction (nothing goes to `on_evict`): a fork

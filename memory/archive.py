@@ -153,7 +153,7 @@ class Archive:
             (segment.user_id, segment.session_id, segment.kind, segment.role, segment.turn, segment.topic,
              segment.text, segment.n_tokens, _blob(segment.tokens, "<i8"), _blob(segment.positions, "<i8"),
              _blob(segment.importance, "<f4"), _blob(segment.surprisal, "<f4"), _blob(segment.serials, "<i8"),
-             str(segment.keys[0].dtype).removeprefix("torch."), self.config.kv_codec, vector.astype("<f4").tobytes()))
+             str(segment.keys.dtype).removeprefix("torch."), self.config.kv_codec, vector.astype("<f4").tobytes()))
         segment_id = cursor.lastrowid
         try:
             self._index.add([segment_id], vector, segment.user_id, segment.session_id)

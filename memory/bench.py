@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from memory.archive import Archive, ArchiveConfig
-from memory.embedder import Embedder
+from memory.embedder import DTYPES, Embedder, EmbedderConfig, embed_dtype
 from memory.index import IndexConfig, VectorIndex
 from memory.segment import Segment
 
@@ -53,13 +53,20 @@ def set_threads(threads: int) -> None:
 
 
 def bench_embed(count: int) -> dict:
-    embedder = Embedder()
+    """Each dtype the embedder offers (`auto` picks one: memory/embedder.py), at 1 and 2 threads, and how
+    close bfloat16's embeddings are to float32's (the lowest cosine over the sentences timed)."""
     sentence = "Turn {}: my order {} has not arrived yet, can you check where it is?"
-    out = {}
-    for threads in (1, 2):
-        set_threads(threads)
-        out[f"{threads} thread(s)"] = timed(lambda i: embedder.embed(sentence.format(f"{threads}.{i}", i * 7919)), count)
-    out["cache hit"] = timed(lambda i: embedder.embed(sentence.format("1.0", 0)), count)
+    out, vectors = {"auto": str(embed_dtype("auto", torch.device("cpu"))).removeprefix("torch.")}, {}
+    for dtype in DTYPES:
+        embedder = Embedder(EmbedderConfig(dtype=dtype, cache_size=0))
+        for threads in (1, 2):
+            set_threads(threads)
+            out[f"{dtype}, {threads} thread(s)"] = timed(
+                lambda i: embedder.embed(sentence.format(f"{threads}.{i}", i * 7919)), count)
+        vectors[dtype] = embedder.embed([sentence.format(i, i * 7919) for i in range(count)])
+    out["bfloat16 min cosine to float32"] = round(float((vectors["float32"] * vectors["bfloat16"]).sum(1).min()), 5)
+    cached = Embedder()
+    out["cache hit"] = timed(lambda i: cached.embed(sentence.format("1.0", 0)), count)
     return out
 
 
@@ -103,8 +110,8 @@ def bench_search(sizes: tuple[int, ...], queries: int) -> dict:
 def kv_segment(seed: int) -> Segment:
     generator = torch.Generator().manual_seed(seed)
     scales = torch.linspace(0.5, 8.0, DIM)
-    keys = [torch.randn(HEADS, TOKENS, DIM, generator=generator) * scales for _ in range(LAYERS)]
-    values = [torch.randn(HEADS, TOKENS, DIM, generator=generator) for _ in range(LAYERS)]
+    keys = torch.randn(LAYERS, HEADS, TOKENS, DIM, generator=generator) * scales
+    values = torch.randn(LAYERS, HEADS, TOKENS, DIM, generator=generator)
     return Segment("user", "session", list(range(TOKENS)), f"segment {seed}", seed, "user", 0,
                    torch.arange(TOKENS), keys, values, torch.rand(TOKENS), torch.rand(TOKENS),
                    torch.arange(TOKENS) + TOKENS * seed)
@@ -147,13 +154,12 @@ def bench_real_kv(model_dir: str) -> dict:
         cache = model(ids, use_cache=True).past_key_values
     out = {}
     for start in range(0, ids.shape[1], TOKENS):
-        keys = [layer.keys[0, :, start:start + TOKENS] for layer in cache.layers]
-        values = [layer.values[0, :, start:start + TOKENS] for layer in cache.layers]
+        keys = torch.stack([layer.keys[0, :, start:start + TOKENS] for layer in cache.layers])
+        values = torch.stack([layer.values[0, :, start:start + TOKENS] for layer in cache.layers])
         got_keys, got_values = codec.decode(codec.encode(keys, values, "int8"), "int8", torch.float32, "cpu", copy=False)
-        per_token = codec.dequantize(*codec.quantize(torch.stack(keys), dim=3), torch.float32, "cpu")
+        per_token = codec.dequantize(*codec.quantize(keys, dim=3), torch.float32, "cpu")
         for side, want, got in (("keys (per channel)", keys, got_keys), ("values (per token)", values, got_values),
-                                ("keys if per token (not used)", keys, list(per_token))):
-            want, got = torch.stack(want), torch.stack(got)
+                                ("keys if per token (not used)", keys, per_token)):
             relative = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
             worst = out.setdefault(side, {"relative_error_max": 0.0, "max_abs_error": 0.0, "max_abs_value": 0.0})
             worst["relative_error_max"] = round(max(worst["relative_error_max"], relative), 5)

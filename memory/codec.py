@@ -26,12 +26,12 @@ TINY = torch.finfo(torch.float32).tiny  # an all-zero group must not divide by z
 Payload = dict[str, torch.Tensor]
 
 
-def encode(keys: list[torch.Tensor], values: list[torch.Tensor], codec: str) -> Payload:
-    """Stacked copies of per-layer [kv_heads, tokens, head_dim] tensors, quantized if `codec` is int8."""
+def encode(keys: torch.Tensor, values: torch.Tensor, codec: str) -> Payload:
+    """Contiguous CPU copies of [layers, kv_heads, tokens, head_dim] keys and values, quantized if `codec` is int8."""
     if codec not in CODECS:
         raise ValueError(f"KV codec {codec!r}: expected one of {', '.join(CODECS)}")
-    stacked_keys = torch.stack([layer.detach().cpu() for layer in keys])
-    stacked_values = torch.stack([layer.detach().cpu() for layer in values])
+    stacked_keys = keys.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+    stacked_values = values.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
     if codec == "float":
         return {"keys": stacked_keys, "values": stacked_values}
     key_codes, key_scale = quantize(stacked_keys, dim=2)  # over tokens: one scale per channel
@@ -40,8 +40,8 @@ def encode(keys: list[torch.Tensor], values: list[torch.Tensor], codec: str) -> 
 
 
 def decode(payload: Payload, kind: str, dtype: torch.dtype, device: torch.device | str,
-           copy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer keys and values of a `kind` ("float" or "int8") payload, in `dtype` on `device`. int8
+           copy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[layers, kv_heads, tokens, head_dim] keys and values of a `kind` ("float" or "int8") payload, in `dtype` on `device`. int8
     codes move to the device before they are dequantized (a quarter of the bytes to transfer). `copy`
     when the payload is still held elsewhere, so the caller may modify what it gets (e.g. re-rotate keys
     in place) without touching the archive. KeyError if the payload lacks a tensor of its kind."""
@@ -51,7 +51,7 @@ def decode(payload: Payload, kind: str, dtype: torch.dtype, device: torch.device
     else:
         keys = dequantize(payload["keys.codes"], payload["keys.scale"], dtype, device)
         values = dequantize(payload["values.codes"], payload["values.scale"], dtype, device)
-    return list(keys.unbind(0)), list(values.unbind(0))
+    return keys, values
 
 
 def nbytes(payload: Payload) -> int:

@@ -9,6 +9,7 @@ at once."""
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
+import torch
 
 DIM = 384
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,11 @@ class EmbedderConfig:
     device: str = "cpu"
     batch_size: int = 32
     cache_size: int = 1024  # texts; 1.5 KB each
+    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (embed_dtype)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown embedder dtype {self.dtype!r}: use auto, {', '.join(DTYPES)}")
 
 
 class CacheInfo(NamedTuple):
@@ -45,6 +53,8 @@ class Embedder:
             raise FileNotFoundError(f"{path}: no sentence-transformers model here (modules.json missing)")
         # A local directory plus local_files_only: sentence-transformers and transformers never ask the Hub.
         self.model = SentenceTransformer(str(path), device=config.device, local_files_only=True)
+        self.dtype = embed_dtype(config.dtype, torch.device(config.device))
+        self.model.to(self.dtype)
         # renamed in sentence-transformers 6; the project does not pin it
         dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         if dimension() != DIM:
@@ -68,8 +78,9 @@ class Embedder:
         fresh: dict[str, np.ndarray] = {}
         if missing:
             vectors = self.model.encode(missing, batch_size=self.config.batch_size, convert_to_numpy=True,
-                                        normalize_embeddings=True, show_progress_bar=False)
-            fresh = {text: vector.astype(np.float32, copy=True) for text, vector in zip(missing, vectors)}
+                                        show_progress_bar=False).astype(np.float32)
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)  # in float32: unit length in any model dtype
+            fresh = {text: vector.copy() for text, vector in zip(missing, vectors)}  # rows, not views of the batch
         out = np.empty((len(texts), DIM), dtype=np.float32)
         for row, text in enumerate(texts):
             if text in fresh:
@@ -92,10 +103,27 @@ class Embedder:
         return CacheInfo(self._hits, self._misses, len(self._cache))
 
 
+def embed_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where the hardware multiplies it natively (CUDA with bf16; CPUs with AMX or
+    AVX-512 BF16), float32 elsewhere. On a 2-core AMD EPYC with AVX-512 BF16 a 13-token turn embeds in
+    5.3 ms instead of 12.7, and its embedding keeps cosine 0.9999 to the float32 one (`python -m
+    memory.bench` measures both)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    native = (getattr(torch.cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return torch.bfloat16 if any(native) else torch.float32
+
+
 @functools.cache
 def shared_embedder() -> Embedder:
-    """One Embedder per process: agents share the model and the text cache (loading takes seconds)."""
-    return Embedder()
+    """One Embedder per process: agents share the model and the text cache (loading takes seconds). Its
+    objects live as long as the process, so the cyclic collector stops walking them (agent/model.py
+    says why)."""
+    embedder = Embedder()
+    gc.freeze()
+    return embedder
 
 
 def bundled_model_path() -> Path:

@@ -168,8 +168,10 @@ class LongTermMemory:
         if budget is not None and len(self.archive):
             room = int(budget * self.config.share)
             chosen: list[KVSpan] = []
+            live = torch.zeros(self.store.next_serial, dtype=torch.bool)
+            live[self.store.meta.serial] = True
             for old_turn, reason, detail in self._candidates(query, entities, topic, referents or {}, summarised or {}):
-                missing = self._missing(old_turn)
+                missing = self._missing(old_turn, live)
                 count = sum(int(mask.sum()) for _, mask in missing)
                 if not count or count > room:
                     continue
@@ -221,13 +223,14 @@ class LongTermMemory:
         return ranked(named) + ranked(resolved) + ranked(
             {t: why for t, why in related.items() if t not in named and t not in resolved})
 
-    def _missing(self, turn: int) -> list[tuple[int, torch.Tensor]]:
-        """The archived segments of `turn` holding tokens the cache does not, each with the mask of those
-        tokens (a token is in one segment only: recalled tokens are not archived again)."""
+    def _missing(self, turn: int, live: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """The archived segments of `turn` holding tokens the cache does not (`live`: by serial, whether
+        the cache holds it), each with the mask of those tokens (a token is in one segment only:
+        recalled tokens are not archived again)."""
         scope = self.config.user_id, self.config.session_id
         missing = []
         for record in self.archive.segments_for(*scope, turns=range(turn, turn + 1)):
-            mask = ~self.store.holds(self.kept[record.id][1])
+            mask = ~live[self.kept[record.id][1]]
             if bool(mask.any()):
                 missing.append((record.id, mask))
         return missing

@@ -17,7 +17,7 @@ ROLE_NAMES = {code: name for name, code in ROLES.items()}
 
 @dataclass
 class Segment:
-    """Tensors are [kv_heads, n_tokens, head_dim] per layer; one entry of the per-token tensors per token.
+    """keys/values are [layers, kv_heads, n_tokens, head_dim]; one entry of the per-token tensors per token.
     `id` is None until an Archive assigns one."""
 
     user_id: str
@@ -28,8 +28,8 @@ class Segment:
     role: str
     topic: int  # topic segment id
     positions: torch.Tensor  # long [n_tokens]: RoPE position each key is rotated to
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: torch.Tensor
+    values: torch.Tensor
     importance: torch.Tensor  # float [n_tokens]: accumulated attention mass
     surprisal: torch.Tensor  # float [n_tokens]: -log p(token | prefix)
     serials: torch.Tensor  # long [n_tokens]: index of each token in the conversation stream (cache/meta.py)
@@ -43,14 +43,14 @@ class Segment:
             raise ValueError("a segment needs at least one token")
         if not self.user_id or not self.session_id:
             raise ValueError("a segment needs a user_id and a session_id (they scope every search)")
-        if not self.keys or len(self.keys) != len(self.values):
-            raise ValueError(f"{len(self.keys)} key layers but {len(self.values)} value layers")
-        for name, layers in (("keys", self.keys), ("values", self.values)):
-            shapes = {tuple(t.shape) for t in layers}
-            if len(shapes) != 1 or len(next(iter(shapes))) != 3 or next(iter(shapes))[1] != count:
-                raise ValueError(f"{name} must be [kv_heads, {count}, head_dim] in every layer, got {sorted(shapes)}")
-            if not all(t.is_floating_point() for t in layers):
+        for name in ("keys", "values"):
+            tensor = getattr(self, name)
+            if tensor.dim() != 4 or not tensor.shape[0] or tensor.shape[2] != count:
+                raise ValueError(f"{name} must be [layers >= 1, kv_heads, {count}, head_dim], got {list(tensor.shape)}")
+            if not tensor.is_floating_point():
                 raise ValueError(f"{name} must be floating point")
+        if self.keys.shape[:3] != self.values.shape[:3]:
+            raise ValueError(f"keys {list(self.keys.shape)} and values {list(self.values.shape)} differ in layers or heads")
         for name in ("positions", "importance", "surprisal", "serials"):
             if tuple(getattr(self, name).shape) != (count,):
                 raise ValueError(f"{name} must have shape ({count},), got {tuple(getattr(self, name).shape)}")
@@ -66,14 +66,14 @@ class Segment:
 
     @property
     def n_layers(self) -> int:
-        return len(self.keys)
+        return self.keys.shape[0]
 
     @classmethod
     def from_span(cls, span: KVSpan, user_id: str, session_id: str, text: str, kind: str = "turn") -> "Segment":
         """An evicted span as an archive segment (a span holds one turn and one role: cache/store.py)."""
         meta = span.meta
         return cls(user_id, session_id, meta.token.tolist(), text, int(meta.turn[0]), ROLE_NAMES[int(meta.role[0])],
-                   int(meta.segment[0]), meta.position.clone(), list(span.keys), list(span.values),
+                   int(meta.segment[0]), meta.position.clone(), span.keys, span.values,
                    meta.importance.clone(), meta.surprisal.clone(), meta.serial.clone(), kind)
 
     def to_span(self) -> KVSpan:
@@ -84,7 +84,7 @@ class Segment:
                          full(ROLES[self.role]), self.positions.cpu(), torch.zeros(count, dtype=torch.bool),
                          self.importance.cpu().float(), self.surprisal.cpu().float(), self.serials.cpu(),
                          full(NOT_RECALLED))
-        return KVSpan(meta, list(self.keys), list(self.values))
+        return KVSpan(meta, self.keys, self.values)
 
 
 @dataclass(frozen=True)

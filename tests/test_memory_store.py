@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from memory.archive import DB_NAME, INDEX_NAME, KV_DIR, Archive, ArchiveConfig
-from memory.embedder import Embedder
+from memory.embedder import Embedder, EmbedderConfig, embed_dtype
 from memory.files import ArchiveError
 from memory.index import KINDS, IndexConfig, VectorIndex
 from memory.segment import Segment
@@ -50,8 +50,8 @@ def segment(seed: int = 0, tokens: int = 8, layers: int = 2, user: str = "alice"
     """Random KV with outlier key channels (as real keys have: scales 0.5..8 across channels)."""
     generator = torch.Generator().manual_seed(seed)
     scales = torch.linspace(0.5, 8.0, DIM)
-    keys = [(torch.randn(HEADS, tokens, DIM, generator=generator) * scales).to(dtype) for _ in range(layers)]
-    values = [torch.randn(HEADS, tokens, DIM, generator=generator).to(dtype) for _ in range(layers)]
+    keys = (torch.randn(layers, HEADS, tokens, DIM, generator=generator) * scales).to(dtype)
+    values = torch.randn(layers, HEADS, tokens, DIM, generator=generator).to(dtype)
     return Segment(user, session, list(range(seed, seed + tokens)), text, turn, "user", topic,
                    torch.arange(tokens) + 100 * seed, keys, values, torch.rand(tokens, generator=generator),
                    torch.rand(tokens, generator=generator), torch.arange(tokens) + 1000 * seed, kind=kind)
@@ -69,7 +69,7 @@ def near(rng: np.random.Generator, vector: np.ndarray, noise: float = 0.01) -> n
 
 
 def same_segment(got: Segment, want: Segment) -> bool:
-    return (all(torch.equal(a, b) for a, b in zip(got.keys + got.values, want.keys + want.values))
+    return (all(torch.equal(a, b) for a, b in zip((got.keys, got.values), (want.keys, want.values)))
             and got.tokens == want.tokens and torch.equal(got.positions, want.positions)
             and torch.equal(got.importance, want.importance) and torch.equal(got.surprisal, want.surprisal)
             and torch.equal(got.serials, want.serials)
@@ -78,7 +78,7 @@ def same_segment(got: Segment, want: Segment) -> bool:
 
 
 def payload_bytes(seg: Segment) -> int:
-    return sum(t.numel() * t.element_size() for t in seg.keys + seg.values)
+    return sum(t.numel() * t.element_size() for t in (seg.keys, seg.values))
 
 
 # --- embedder ---------------------------------------------------------------------------------------
@@ -94,6 +94,21 @@ def test_embedder_unit_vectors_meaningful_and_cached(embedder):
     assert embedder.cache_info().misses == misses  # embedded once, served from the cache after
     assert np.array_equal(again[0], vectors[1]) and np.array_equal(again[1], vectors[1])
 
+
+
+def test_embedder_bfloat16_agrees_with_float32(embedder):
+    """`auto` may pick bfloat16 (fast where the CPU multiplies it natively): its embeddings must rank as
+    float32's do, or a threshold tuned in one precision would mean something else in the other."""
+    texts = ["Where is my parcel?", "My package has not arrived yet.", "I like green tea in the morning.",
+             "Can I change the delivery address to Flat 14?"]
+    wide = Embedder(EmbedderConfig(dtype="float32", cache_size=0)).embed(texts)
+    narrow = Embedder(EmbedderConfig(dtype="bfloat16", cache_size=0)).embed(texts)
+    assert narrow.dtype == np.float32 and np.allclose(np.linalg.norm(narrow, axis=1), 1, atol=1e-5)
+    assert (wide * narrow).sum(1).min() > 0.999
+    assert np.abs(wide @ wide.T - narrow @ narrow.T).max() < 0.01
+    assert embedder.dtype == embed_dtype("auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown embedder dtype 'int8'"):
+        EmbedderConfig(dtype="int8")
 
 # --- index --------------------------------------------------------------------------------------------
 
@@ -182,7 +197,7 @@ def test_int8_kv_within_stated_tolerance():
         for want, have in zip(original.values, got.values):
             bound = want.abs().amax(dim=2, keepdim=True) / 254  # per value token, over channels
             assert bool(((have - want).abs() <= bound * 1.0001 + 1e-7).all())
-        error = torch.linalg.norm(torch.stack(got.keys) - torch.stack(original.keys)) / torch.linalg.norm(torch.stack(original.keys))
+        error = torch.linalg.norm(got.keys - original.keys) / torch.linalg.norm(original.keys)
         assert error < 0.01
         assert archive.nbytes() < 0.3 * payload_bytes(original)
         assert got.tokens == original.tokens and torch.equal(got.positions, original.positions)
@@ -411,7 +426,7 @@ def test_archive_search_is_scoped_by_user_and_session(embedder):
 def test_segment_rejects_misaligned_tensors():
     good = segment()
     with pytest.raises(ValueError, match="keys"):
-        Segment(**{**vars(good), "keys": [k[:, :-1] for k in good.keys]})
+        Segment(**{**vars(good), "keys": good.keys[:, :, :-1]})
     with pytest.raises(ValueError, match="positions"):
         Segment(**{**vars(good), "positions": good.positions[:-1]})
     with pytest.raises(ValueError, match="user_id"):

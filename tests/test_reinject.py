@@ -103,7 +103,7 @@ def test_sink_receives_exactly_the_evicted_tokens_with_their_kv(tiny):
     torch.save(spans[0].state(), buffer)
     buffer.seek(0)
     restored = KVSpan.from_state(torch.load(buffer))
-    assert all(torch.equal(a, b) for a, b in zip(restored.keys + restored.values, spans[0].keys + spans[0].values))
+    assert all(torch.equal(a, b) for a, b in zip((restored.keys, restored.values), (spans[0].keys, spans[0].values)))
     assert all(torch.equal(a, b) for a, b in zip(restored.meta.state().values(), spans[0].meta.state().values()))
 
 
@@ -210,10 +210,10 @@ def test_injection_is_refused_when_it_cannot_be_right(tiny):
         store.inject(span, 1)
     with store.fork(), pytest.raises(RuntimeError, match="inside a fork"):
         store.inject(span.select(torch.tensor([0])), 1)
-    kv = [torch.zeros(2, 40, 16)] * 2
+    kv = torch.zeros(2, 2, 40, 16)
     with pytest.raises(ValueError, match="cannot fit a 32-token budget"):
         store.inject(KVSpan(TokenMeta.new(40, 0, 0, "user", 0, serial=1000), kv, kv), 1)
-    with pytest.raises(ValueError, match=r"keys must be \[kv_heads, 39, head_dim\]"):
+    with pytest.raises(ValueError, match=r"keys must be \[layers >= 1, kv_heads, 39, head_dim\]"):
         KVSpan(TokenMeta.new(39, 0, 0, "user", 0), kv, kv)
 
 
