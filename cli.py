@@ -348,6 +348,8 @@ def bench(
                                          "interleaved, and report the median (default 3; 1 with --quick)."),
     soak: Optional[int] = typer.Option(None, "--soak", min=10, help="Instead: a soak of this many turns (1000 in the "
                                        "README) in one saved session with memory on: budget, RSS, archive disk and TTFT."),
+    memory_dialogue: Optional[str] = typer.Option(None, "--memory-dialogue", help="Part C: the first dialogue of this "
+                                                  "file (default: data/dialogues.jsonl)."),
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
@@ -358,7 +360,15 @@ def bench(
         return
     if not parts or set(parts) - set("abc"):
         raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
-    config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds)
+    config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds, memory_dialogue=memory_dialogue)
+    if memory_dialogue is not None:
+        from agent.bench.memory_part import scripted_turns
+        from agent.eval.dialogue import DialogueError
+
+        try:
+            scripted_turns(Path(memory_dialogue), config.memory_turns)
+        except DialogueError as exc:
+            raise UserError(f"--memory-dialogue: {exc}") from None
     make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)
 

@@ -177,6 +177,9 @@ class PagedStorage:
             self.pool.free(block)
         del self.table[used:]
 
+    def fit(self, reserve: int = 0) -> None:
+        """Nothing to give back: `truncate` already freed every block past the last one used."""
+
     def fork(self) -> "PagedStorage":
         """A second sequence sharing this one's blocks (ref counted); either side copies a shared block
         before writing into it."""

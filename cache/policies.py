@@ -111,7 +111,7 @@ class Policy:
         """Evict so that `incoming` more tokens fit within the budget."""
         kept = self.room_for(store.meta, incoming)
         if kept is not None:
-            store.keep(kept)
+            store.keep(kept, reserve=incoming)
 
     def max_chunk(self) -> int | None:
         """Largest prefill chunk that still leaves room for what the policy promises."""

@@ -338,6 +338,9 @@ class QuantizedStorage:
                 return
             tier.keep(0, 0)
 
+    def fit(self, reserve: int = 0) -> None:
+        """Nothing to give back: groups and the tail are allocated to size."""
+
     def nbytes(self) -> int:
         """Bytes really held: codes, scales, zero points and the full-precision tail."""
         tail = 0 if self.tail_keys is None else 2 * self.tail_keys.numel() * self.tail_keys.element_size()

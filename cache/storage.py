@@ -3,7 +3,9 @@
 compute precision (so a compact kind never holds a float copy of the whole layer), `view` gives a float
 kind's tokens without a copy, `fetch` / `update_and_fetch` return all of them in one float tensor (a
 transient copy for compaction, saving and transformers' own attention, never retained), `replace`
-installs a compacted (kept, re-rotated) sequence, `truncate` crops back, `nbytes` counts the memory
+installs a compacted (kept, re-rotated) sequence, `truncate` crops back (keeping its memory, as a fork
+rolls back to refill at once), `fit` gives back what is held beyond the tokens and room for a few more
+(after a compaction that truncated and appended), `nbytes` counts the memory
 really held, and `state` / `load_state` save and restore it (`from_state` builds a new one)."""
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class LayerStorage(Protocol):
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 
     def truncate(self, length: int) -> None: ...
+
+    def fit(self, reserve: int = 0) -> None: ...
 
     def nbytes(self) -> int: ...
 
@@ -124,6 +128,17 @@ class ContiguousStorage:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def fit(self, reserve: int = 0) -> None:
+        """Shrink capacity to the growth step that holds the tokens and `reserve` more (one copy, only
+        if that frees memory)."""
+        needed = -(-(self.length + reserve) // GROW) * GROW
+        if self.keys is None or self.keys.shape[2] <= needed:
+            return
+        if not self.length and not reserve:
+            self.keys = self.values = None
+            return
+        self.keys, self.values = self.keys[:, :, :needed].contiguous(), self.values[:, :, :needed].contiguous()
 
     def nbytes(self) -> int:
         if self.keys is None:

@@ -175,16 +175,17 @@ class KVStore(Cache):
 
     # --- compaction and splicing ------------------------------------------------------------------
     @torch.inference_mode()  # the storage was filled by forwards in inference mode, and is written in place
-    def keep(self, index: torch.Tensor) -> None:
+    def keep(self, index: torch.Tensor, reserve: int = 0) -> None:
         """Keep only these tokens (any order given; kept in sequence order) and re-rotate their keys so
         positions become 0..len-1 again. The dropped tokens go to `on_evict`, if set, once the cache is
-        compacted."""
+        compacted. The memory they held is given back, except room for `reserve` more tokens (what the
+        caller is about to append: making room and then growing again would copy the cache twice)."""
         self._check_not_frozen("evict")
         index = torch.unique(index.to(torch.long).cpu())  # sorted, deduplicated
         if index.numel() == self.length:
             return
         evicted = self._evicted_spans(index) if self.on_evict is not None else []
-        self._rewrite(0, index)
+        self._rewrite(0, index, reserve=reserve)
         for span in evicted:
             self.on_evict(span)
 
@@ -213,7 +214,7 @@ class KVStore(Cache):
         span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
         kept = self.policy.room_for(self.meta, len(span))
         if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
-            self.keep(kept)
+            self.keep(kept, reserve=len(span))
         elif kept is not None:  # make room and splice in one rewrite of the whole cache
             kept = torch.unique(kept.to(torch.long).cpu())
             evicted = self._evicted_spans(kept) if self.on_evict is not None else []
@@ -267,15 +268,15 @@ class KVStore(Cache):
         importance = meta.importance * (live / mean) if mean > 0 else torch.full_like(meta.importance, live)
         return dataclasses.replace(meta, importance=importance, recalled_at=torch.full_like(meta.recalled_at, turn))
 
-    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | None = None) -> None:
+    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | None = None,
+                 reserve: int = 0) -> None:
         """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
         the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
         (None: all of them, as they are, which a splice needs and which costs no gather), with keys
         re-rotated to positions start, start+1, ... A leading run of `order` that leaves tokens where they
-        are is not moved at all. Only a rewrite of everything goes through `replace`, which releases
-        what it frees; otherwise the layers truncate and append (capacity stays at its peak, which a
-        budgeted cache refills every turn), and a quantized layer keeps the codes of what it does not
-        move, as re-quantizing would add error each time."""
+        are is not moved at all: the layers truncate and append (a quantized layer keeps the codes of
+        what it does not move, as re-quantizing would add error each time), then give back the
+        capacity the evicted tokens held beyond room for `reserve` more (`fit`). A rewrite of everything goes through `replace`."""
         unchanged = self._unchanged_prefix(start, order, span)
         if unchanged:
             offset = len(span) if span is not None else 0
@@ -303,6 +304,7 @@ class KVStore(Cache):
             else:
                 layer.storage.truncate(start)
                 layer.storage.append(keys, values)
+                layer.storage.fit(reserve)
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
         moved.position = positions

@@ -170,3 +170,16 @@ def test_part_c_reports_every_step_of_the_memory_palace_against_the_hybrid(embed
     assert result["ttft_p95_vs_hybrid"] == palace["ttft_ms"]["p95"] / hybrid["ttft_ms"]["p95"]
     text = "\n".join(render_part_c(result))
     assert "all memory work" in text and all(step in text for step in ON_CLOCK if step in palace["steps"])
+    assert text.startswith("8 turns of data/dialogues.jsonl cs-0001 at a")
+
+
+def test_part_c_runs_any_scripted_dialogue_and_refuses_one_without_replies(embedded, tmp_path):
+    from agent.bench.memory_part import ROOT, part_c
+    from agent.eval.dialogue import DialogueError
+
+    result = part_c(embedded, 3, lambda message: None, ROOT / "data" / "dev" / "dev-05.jsonl")
+    assert result["turns"] == 3 and result["dialogue"].startswith("data/dev/dev-05.jsonl ")
+    unscripted = tmp_path / "unscripted.jsonl"
+    unscripted.write_text(json.dumps({"id": "u1", "turns": [{"user": "Hello there."}]}) + "\n")
+    with pytest.raises(DialogueError, match="turn 0 has no assistant reply"):
+        part_c(embedded, None, lambda message: None, unscripted)

@@ -41,7 +41,8 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
     for args in (["chat", "--policy", "lru"], ["chat", "--budget", "lots"], ["chat", "--kv-dtype", "int3"],
                  ["info", "--model", "/no/such/model"], ["chat", "--weights", "int2"], ["topics", "/no/such.json"],
                  ["topics", str(broken)], ["train", str(broken)], ["refs", str(broken)],
-                 ["chat", "--session", str(broken)]):
+                 ["chat", "--session", str(broken)], ["bench", "--parts", "c", "--memory-dialogue", str(broken)],
+                 ["bench", "--parts", "c", "--memory-dialogue", "/no/such.jsonl"]):
         done = palace(*args, stdin="hi\n")
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)

@@ -64,6 +64,7 @@ class BenchConfig:
     threads: int | None = None
     parts: str = "ab"  # a: engine vs generate(); b: KV strategies; c: memory work per turn (agent/bench/memory_part.py)
     memory_turns: int | None = None  # Part C: the dialogue's first this many turns (None: all 50)
+    memory_dialogue: str | None = None  # Part C: the first dialogue of this file (None: data/dialogues.jsonl)
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> "BenchConfig":
@@ -537,10 +538,11 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
         result["part_b"] = part_b(model, turns, config, log)
         echo("\n".join(render_part_b(result["part_b"])))
     if "c" in config.parts:
-        from agent.bench.memory_part import part_c, render_part_c
+        from agent.bench.memory_part import DEFAULT_DIALOGUE, part_c, render_part_c
 
         echo("\nPart C: memory work per turn, hybrid+palace against the hybrid alone (same dialogue, same run)")
-        result["part_c"] = part_c(loaded, config.memory_turns, log)
+        result["part_c"] = part_c(loaded, config.memory_turns, log,
+                                  Path(config.memory_dialogue) if config.memory_dialogue else DEFAULT_DIALOGUE)
         echo("\n".join(render_part_c(result["part_c"])))
     result["seconds"] = time.perf_counter() - started
     result["load_average_end"] = os.getloadavg()

@@ -1,8 +1,9 @@
 """`palace bench --parts c`: the memory palace's work per turn, by step, over a scripted dialogue, against
 the same dialogue run by the hybrid without memory in the same process (the baseline).
 
-The dialogue is the first of `data/dialogues.jsonl` (the generator's, never the held-out set), fed by
-teacher forcing through the Agent's own steps at a quarter of its full length as the budget, like
+The dialogue is the first of `data/dialogues.jsonl` (the generator's, never the held-out set), or the
+first of `--memory-dialogue PATH` (e.g. a hand-written one of `data/dev/`, whose longer messages cost
+more to embed and fill a larger budget), fed by teacher forcing through the Agent's own steps at a quarter of its full length as the budget, like
 `palace eval --budget 25%`. Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's
 words), `graph` (facts, references), `search` (FAISS and the archive's metadata), `splice` (re-injecting
 KV, with the eviction that makes room); after the reply `graph_reply` (the reply's mentions, the running
@@ -23,23 +24,36 @@ ON_CLOCK = ("embed", "graph", "search", "splice")
 STEPS = (*ON_CLOCK, "graph_reply", "archive", "notes")
 
 
-def scripted_turns(path: Path, limit: int | None) -> tuple[str | None, list[tuple[str, str]]]:
-    dialogue = json.loads(path.read_text().splitlines()[0])
-    turns = [(t["user"], t["assistant"]) for t in dialogue["turns"]]
-    return dialogue.get("system"), turns[:limit] if limit else turns
+DEFAULT_DIALOGUE = ROOT / "data" / "dialogues.jsonl"
+
+
+def scripted_turns(path: Path, limit: int | None) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """The first dialogue of `path`: its id, system prompt and (user, reply) pairs. DialogueError (one
+    line) if the file is not a dialogue file or a turn has no scripted reply to teacher-force."""
+    from agent.eval.dialogue import DialogueError, load_dialogues
+
+    dialogues = load_dialogues([path])
+    if not dialogues:
+        raise DialogueError(f"{path}: no dialogue in it")
+    dialogue = dialogues[0]
+    turns = dialogue.turns[:limit] if limit else dialogue.turns
+    missing = [k for k, turn in enumerate(turns) if turn.assistant is None]
+    if missing:
+        raise DialogueError(f"{path}: dialogue {dialogue.id}: turn {missing[0]} has no assistant reply to feed")
+    return dialogue.id, dialogue.system, [(turn.user, turn.assistant) for turn in turns]
 
 
 def percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))} if values else {}
 
 
-def part_c(loaded, turns_limit: int | None, log: Callable[[str], None]) -> dict:
+def part_c(loaded, turns_limit: int | None, log: Callable[[str], None], path: Path = DEFAULT_DIALOGUE) -> dict:
     from agent.agent import Agent, AgentConfig
     from agent.chat_format import ChatFormat
     from memory.profile import ProfileConfig
     from memory.recall import MemoryConfig
 
-    system, turns = scripted_turns(ROOT / "data" / "dialogues.jsonl", turns_limit)
+    dialogue, system, turns = scripted_turns(path, turns_limit)
     fmt = ChatFormat.from_tokenizer(loaded.tokenizer)
     full = len(fmt.system_prompt(system)) + sum(len(fmt.user_message(u)) + len(fmt.assistant_reply(a)) +
                                                  len(fmt.next_user_header()) for u, a in turns)
@@ -65,14 +79,16 @@ def part_c(loaded, turns_limit: int | None, log: Callable[[str], None]) -> dict:
                       "steps": {step: percentiles(values) for step, values in steps.items() if values}}
         log(f"  {name}: {len(turns)} turns at a {budget}-token budget")
     base, palace = runs["hybrid"]["ttft_ms"], runs["hybrid+palace"]["ttft_ms"]
-    return {"turns": len(turns), "budget_tokens": budget, "full_tokens": full, "runs": runs,
+    where = Path(path).resolve()
+    return {"dialogue": f"{where.relative_to(ROOT) if where.is_relative_to(ROOT) else where} {dialogue}",
+            "turns": len(turns), "budget_tokens": budget, "full_tokens": full, "runs": runs,
             "ttft_p95_vs_hybrid": palace["p95"] / base["p95"], "ttft_p50_vs_hybrid": palace["p50"] / base["p50"]}
 
 
 def render_part_c(result: dict) -> list[str]:
     palace = result["runs"]["hybrid+palace"]
     hybrid = result["runs"]["hybrid"]
-    lines = [f"{result['turns']} turns of data/dialogues.jsonl #1 at a {result['budget_tokens']}-token budget "
+    lines = [f"{result['turns']} turns of {result['dialogue']} at a {result['budget_tokens']}-token budget "
              f"(25 % of {result['full_tokens']})", f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
     for step, row in palace["steps"].items():
         lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):30} "
