@@ -191,10 +191,11 @@ class KVStore(Cache):
 
     @torch.inference_mode()  # the storage was filled by forwards in inference mode
     def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end") -> None:
-        """Splice archived spans back in, recalled at `turn`, in one rewrite: at the "end" (after the
-        cache, like a note retrieved before the user's next message, in the order given) or
-        "chronological" (each token where it was in the conversation by serial order; everything after
-        the earliest one moves up). The policy first makes room for them all, so the budget holds. Keys
+        """Splice archived spans back in, recalled at `turn`: at the "end" (after the cache, like a note
+        retrieved before the user's next message, in the order given: the policy's compaction, then an
+        append) or "chronological" (each token where it was in the conversation by serial order;
+        everything after the earliest one moves up, in one rewrite). The policy first makes room for them
+        all, so the budget holds. Keys
         are re-rotated from the spans' positions to where they land; the rows are marked
         `recalled_at = turn` and their importance rescaled to the live cache's level (see `_recalled`).
         The cached logits no longer predict the next token, so `next_logits` is cleared: feed something

@@ -75,6 +75,11 @@ def test_rerotation_round_trip_and_layer0_matches_a_fresh_forward(tiny):
         assert not torch.allclose(rerotator.shift(keys, forward_d), keys, atol=1e-2)  # the rotation did move them
     moved = rerotator.shift(keys_of(store), forward_d)
     torch.testing.assert_close(moved, fresh_keys(tiny, ids, torch.arange(d, d + len(ids))), atol=1e-5, rtol=0)
+    owned = keys_of(store).clone()  # compaction's path: float32 keys it owns turn in place, half by half
+    assert rerotator.shift(owned, forward_d, in_place=True) is owned
+    torch.testing.assert_close(owned, moved, atol=1e-6, rtol=0)
+    assert torch.equal(rerotator.shift(keys_of(store).half(), forward_d, in_place=True).float(),
+                       rerotator.shift(keys_of(store).half(), forward_d).float())  # other dtypes: out of place, same
 
 
 def test_sink_receives_exactly_the_evicted_tokens_with_their_kv(tiny):
