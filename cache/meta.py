@@ -50,8 +50,10 @@ class TokenMeta:
         return self.turn.numel()
 
     @torch.inference_mode(False)
-    def cat(self, other: "TokenMeta") -> "TokenMeta":
-        return TokenMeta(*(torch.cat((getattr(self, f.name), getattr(other, f.name))) for f in fields(self)))
+    def cat(self, *others: "TokenMeta") -> "TokenMeta":
+        """These rows, then each of `others`' (one concatenation per column, however many)."""
+        parts = (self, *others)
+        return TokenMeta(*(torch.cat([getattr(part, f.name) for part in parts]) for f in fields(self)))
 
     @torch.inference_mode(False)
     def select(self, index: torch.Tensor | slice) -> "TokenMeta":

@@ -51,9 +51,7 @@ class KVSpan:
         """One span of these spans' tokens, in the order given (a single span: itself)."""
         if len(spans) == 1:
             return spans[0]
-        meta = spans[0].meta
-        for span in spans[1:]:
-            meta = meta.cat(span.meta)
+        meta = spans[0].meta.cat(*(span.meta for span in spans[1:]))
         return cls(meta, torch.cat([span.keys for span in spans], dim=2), torch.cat([span.values for span in spans], dim=2))
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSpan":

@@ -82,7 +82,9 @@ class KVStore(Cache):
     """All layers' KV plus token metadata, under a policy that says what must be recorded (attention
     importance, surprisal) and what to evict. `next_logits` are the logits that predict the next token
     fed: the one place every caller reads them from. `on_evict`, when set, receives every span a
-    compaction drops (nothing is gathered for it when unset)."""
+    compaction drops (nothing is gathered for it when unset), or only the rows `evict_filter` picks (a
+    bool per row of the dropped tokens' metadata): an archive that keeps no system prompt and nothing it
+    already holds need not have their KV copied out."""
 
     def __init__(self, num_layers: int, rerotator: Rerotator, policy: "Policy", storage: StorageConfig = StorageConfig()):
         self.storage_config = storage
@@ -95,6 +97,7 @@ class KVStore(Cache):
         self.next_logits: torch.Tensor | None = None
         self.frozen = False  # inside a fork: nothing recorded, nothing evicted
         self.on_evict: Callable[[KVSpan], None] | None = None
+        self.evict_filter: Callable[[TokenMeta], torch.Tensor] | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: "Policy", storage: StorageConfig = StorageConfig()) -> "KVStore":
@@ -346,9 +349,11 @@ class KVStore(Cache):
         """What keeping `kept` drops, as one span per message (turn and role) it came from, messages in
         dialogue order and tokens in cache order, with the KV as the cache holds it now. A span need not
         be contiguous: token-level policies evict a message piecemeal, and its serials say where each
-        token was."""
+        token was. Only the rows `evict_filter` picks, if set."""
         dropped = torch.ones(self.length, dtype=torch.bool)
         dropped[kept] = False
+        if self.evict_filter is not None:
+            dropped &= self.evict_filter(self.meta)
         evicted = torch.nonzero(dropped).flatten()
         if not evicted.numel():
             return []

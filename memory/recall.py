@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cache.meta import NOT_RECALLED
+from cache.meta import NOT_RECALLED, TokenMeta
 from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
 from memory.archive import Archive, ArchiveConfig
@@ -92,15 +92,18 @@ class LongTermMemory:
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # segment id -> its turn and serials, read without I/O
         self.last: list[Recalled] = []  # what the latest recall brought back
         self.steps: dict[str, float] = {}  # the latest turn's memory work in ms, by step (see STEPS)
-        store.on_evict = self.evicted
+        store.on_evict, store.evict_filter = self.evicted, self.archivable
 
     # --- archiving ------------------------------------------------------------------------------
+    @staticmethod
+    def archivable(meta: TokenMeta) -> torch.Tensor:
+        """The store's eviction filter: what is new to the archive (not the system prompt or the notes,
+        not tokens recalled from it)."""
+        return (meta.recalled_at == NOT_RECALLED) & (meta.turn >= 0)
+
     def evicted(self, span: KVSpan) -> None:
-        """The store's eviction sink: buffer what is new to the archive (not the system prompt, not
-        tokens recalled from it)."""
-        fresh = (span.meta.recalled_at == NOT_RECALLED) & (span.meta.turn >= 0)
-        if bool(fresh.any()):
-            self.pending.append(span if bool(fresh.all()) else span.select(fresh))
+        """The store's eviction sink (after `archivable`): buffer it for `settle`."""
+        self.pending.append(span)
 
     def settle(self) -> None:
         """Archive the stretches evicted since the last call, one segment per message they came from,
