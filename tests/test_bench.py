@@ -87,6 +87,30 @@ def test_part_a_float32_only(model):
     assert result["agreement"] == []
 
 
+
+def test_llama_cpp_anchor_times_the_same_gguf_or_says_how_to_install(embedded):
+    """Where llama-cpp-python is installed (the bench extra), llama.cpp decodes the embedded GGUF greedily
+    from the same prompt ids, and our rows are put against it; where it is not, the bench says how to
+    install it instead of leaving the row out silently."""
+    import importlib.util
+
+    from agent.bench.bench import LLAMA_CPP_INSTALL, llama_cpp_anchor, time_engine
+    from agent.model import embedded_gguf
+
+    ids = embedded.tokenizer("The capital of France is").input_ids
+    rows = [time_engine(embedded.model, ids, 4, "engine float32")]
+    anchor = llama_cpp_anchor(embedded_gguf(), ids, replace(CONFIG, new_tokens=4), rows)
+    text = "\n".join(render_part_a({"rows": [], "agreement": [], "llama_cpp": anchor}))
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert anchor == {"missing": LLAMA_CPP_INSTALL} and f"not installed ({LLAMA_CPP_INSTALL})" in text
+        return
+    row = anchor["row"]
+    assert row["run"] == "llama.cpp Q4_1" and row["new_tokens"] == 4 and row["decode_tok_s"] > 0
+    assert row["tokens"][0] == rows[0]["tokens"][0]  # our float32 weights are this GGUF's, dequantized
+    [ours] = anchor["ours"]
+    assert ours["decode_vs_llama_cpp"] == pytest.approx(rows[0]["decode_tok_s"] / row["decode_tok_s"])
+    assert "llama.cpp Q4_1" in text and "x llama.cpp" in text
+
 def test_best_of_takes_fastest_of_each_phase():
     runs = [{"prefill_s": 2.0, "prefill_tok_s": 5.0, "decode_s": 1.0, "decode_tok_s": 9.0},
             {"prefill_s": 1.0, "prefill_tok_s": 10.0, "decode_s": 3.0, "decode_tok_s": 3.0}]

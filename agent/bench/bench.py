@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from agent.engine import SamplingConfig, decode, forward, prefill
-from agent.model import head_dim, kv_bytes_per_token
+from agent.model import EMBEDDED, embedded_gguf, head_dim, kv_bytes_per_token
 from cache.policies import HybridConfig, Policy, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore, TokenMeta
@@ -258,8 +258,9 @@ def top1_agreement(reference: torch.nn.Module, candidate: torch.nn.Module, ids: 
 
 
 def part_a(model: torch.nn.Module, ids: list[int], config: BenchConfig, text_ids: list[int] | None = None,
-           log: Callable[[str], None] = lambda _: None) -> dict:
-    """Rows: generate() float32 (baseline) and engine float32, then the same pair for each of `config.weights`."""
+           log: Callable[[str], None] = lambda _: None, gguf: Path | None = None) -> dict:
+    """Rows: generate() float32 (baseline) and engine float32, then the same pair for each of
+    `config.weights`; with `gguf` (the model's own GGUF file), llama.cpp on it as the anchor."""
     models = {"float32": model, **{weights: quantized_model(model, weights) for weights in config.weights}}
     runs: dict[str, list[dict]] = {}
     for m in models.values():  # warm-up: first-call allocations and kernel selection
@@ -281,7 +282,48 @@ def part_a(model: torch.nn.Module, ids: list[int], config: BenchConfig, text_ids
         row["same_tokens_as_generate"] = row["tokens"] == same["tokens"]
     text = text_ids if text_ids is not None else ids
     agreement = [weight_agreement(model, models[weights], weights, text, rows) for weights in config.weights]
-    return {"rows": rows, "agreement": agreement}
+    result = {"rows": rows, "agreement": agreement}
+    if gguf is not None:
+        log("  part A: llama.cpp on the same GGUF")
+        result["llama_cpp"] = llama_cpp_anchor(gguf, ids, config, rows)
+    return result
+
+
+# --- Part A's anchor: llama.cpp on the same GGUF -------------------------------------------------------
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python (an optional extra, .[bench]: it builds llama.cpp, several minutes)"
+
+
+def time_llama_cpp(gguf: Path, ids: list[int], new_tokens: int, threads: int) -> dict | None:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, fed the same prompt ids, greedy, at the same
+    thread count: the pace issue 15 measures our decode against. None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(str(gguf), n_ctx=len(ids) + new_tokens + 8, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    times, tokens = [], []
+    started = now()
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(now())
+        tokens.append(int(token))
+        if len(tokens) == new_tokens:
+            break
+    llm.close()
+    return timing_row(f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}", len(ids), started, times, tokens)
+
+
+def llama_cpp_anchor(gguf: Path, ids: list[int], config: BenchConfig, rows: list[dict]) -> dict:
+    """The anchor row (best of `config.repeats`, after a warm-up) and our rows' speed against it, or why
+    there is none."""
+    threads = torch.get_num_threads()
+    if time_llama_cpp(gguf, ids[:16], 2, threads) is None:
+        return {"missing": LLAMA_CPP_INSTALL}
+    row = best_of([time_llama_cpp(gguf, ids, config.new_tokens, threads) for _ in range(config.repeats)])
+    row["threads"] = threads
+    return {"row": row, "ours": [{"run": r["run"], "decode_vs_llama_cpp": ratio(r["decode_tok_s"], row["decode_tok_s"]),
+                                  "prefill_vs_llama_cpp": ratio(r["prefill_tok_s"], row["prefill_tok_s"])}
+                                 for r in rows if r["run"].startswith("engine")]}
 
 
 def weight_agreement(model: torch.nn.Module, quantized: torch.nn.Module, weights: str, text: list[int],
@@ -485,6 +527,15 @@ def render_part_a(result: dict) -> list[str]:
         speed = (f", decode {fmt(a.get('decode_vs_generate_f32'), '.2f')}x generate() f32 "
                  f"({fmt(a.get('decode_cpu_vs_generate_f32'), '.2f')}x by CPU time)")
         lines.append(f"top-1 agreement with float32 over {a['positions']} positions: {100 * a['top1']:.1f}%  [{a['weights']}{speed}]")
+    anchor = result.get("llama_cpp")
+    if anchor and "missing" in anchor:
+        lines.append(f"llama.cpp anchor: not installed ({anchor['missing']})")
+    elif anchor:
+        r = anchor["row"]
+        lines.append(f"{r['run']:20} {fmt(r['prefill_tok_s']):>13} {fmt(r['decode_tok_s'], '.2f'):>12}   "
+                     f"(same GGUF, {r['threads']} threads)")
+        lines += [f"  {o['run']:18} decode {fmt(o['decode_vs_llama_cpp'], '.2f')}x llama.cpp, prefill "
+                  f"{fmt(o['prefill_vs_llama_cpp'], '.2f')}x" for o in anchor["ours"]]
     return lines
 
 
@@ -526,7 +577,8 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
     if "a" in config.parts:
         echo(f"\nPart A: engine vs transformers generate() — {config.prompt_tokens}-token prompt, {config.new_tokens} greedy tokens")
         result["part_a"] = part_a(model, prompt_ids(tokenizer, config.prompt_tokens), config,
-                                  tokenize(tokenizer, bench_text()), log)
+                                  tokenize(tokenizer, bench_text()), log,
+                                  embedded_gguf() if model_spec == EMBEDDED else None)
         echo("\n".join(render_part_a(result["part_a"])))
     if "b" in config.parts:
         limit = model.config.max_position_embeddings
