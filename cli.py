@@ -281,8 +281,8 @@ def eval_(
     memory_share: float = typer.Option(0.25, "--memory-share", help="+memory: most of the budget one recall re-injects."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX; "
-                              "else float32), float32, bfloat16 or float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX "
+                              "or AVX-512 BF16; else float32), float32, bfloat16 or float16."),
 ) -> None:
     """Run scripted dialogues under each cache policy and compare accuracy, memory and latency."""
     import json

@@ -77,13 +77,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device = torch.device("cpu")) -> torch.dtype:
-    """`auto`: bfloat16 where its matmuls are fast (CUDA with bf16 support; CPUs with AMX tiles, where a
-    forward of dozens of tokens runs about twice as fast as in float32), float32 elsewhere."""
+    """`auto`: bfloat16 where its matmuls are fast (CUDA with bf16 support; CPUs with AMX tiles or AVX-512
+    BF16: on a 2-core AMD EPYC with AVX-512 BF16, a 400-token prefill runs 2.1x and decode 1.5x as fast as in
+    float32), float32 elsewhere."""
     if dtype == "auto":
+        from memory.embedder import native_bfloat16_cpu
+
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-        return torch.bfloat16 if amx() else torch.float32
+        return torch.bfloat16 if native_bfloat16_cpu() else torch.float32
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]

@@ -112,8 +112,14 @@ def embed_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    native = (getattr(torch.cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return torch.bfloat16 if any(native) else torch.float32
+    return torch.bfloat16 if native_bfloat16_cpu() else torch.float32
+
+
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX-512 BF16), where bfloat16 matmuls
+    beat float32 (the LM's `--dtype auto` asks the same: agent/model.py)."""
+    names = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in names)
 
 
 @functools.cache
