@@ -176,7 +176,7 @@ class Agent:
         self.turn_index, self.notes = state["agent"]["turn_index"], state["agent"]["notes"]
         self.history = [Turn(**turn) for turn in state["agent"]["history"]]
         if self.tracker is not None:
-            self.tracker = TopicTracker.from_state(state["tracker"], self.topic_model, self.embedder.model)
+            self.tracker = TopicTracker.from_state(state["tracker"], self.topic_model, self.embedder)
         if self.graph is not None:
             self.graph = EntityGraph.from_state(state["graph"])
         if self.summary is not None:
@@ -215,7 +215,7 @@ class Agent:
         if self.topic_model is not None:
             from classifiers.topics import TopicTracker
 
-            self.tracker = TopicTracker(self.topic_model, self.embedder.model)
+            self.tracker = TopicTracker(self.topic_model, self.embedder)
         if self.memory is not None:
             self.memory.close()
         self.memory = None if self.config.memory is None else LongTermMemory(

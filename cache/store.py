@@ -219,7 +219,8 @@ class KVStore(Cache):
         kept = self.policy.room_for(self.meta, len(span))
         if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
             self.keep(kept, reserve=len(span))
-        elif kept is not None:  # make room and splice in one rewrite of the whole cache
+            kept = None
+        if kept is not None:  # chronological: make room and splice in one rewrite of the whole cache
             kept = torch.unique(kept.to(torch.long).cpu())
             evicted = self._evicted_spans(kept) if self.on_evict is not None else []
             ours, live = torch.arange(len(span)), kept + len(span)
@@ -228,9 +229,7 @@ class KVStore(Cache):
             self._rewrite(0, order=order, span=span)
             for dropped in evicted:
                 self.on_evict(dropped)
-            self.next_logits = None
-            return
-        if at == "end":
+        elif at == "end":
             self._rewrite(self.length, span=span)
         else:  # the tail from the earliest insertion point, span and live tokens merged by serial
             start = self._chronological_index(span)

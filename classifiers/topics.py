@@ -56,22 +56,17 @@ class TopicModelError(ValueError):
 
 
 def load_embedder(device: str = "cpu"):
-    """all-MiniLM-L6-v2 (the bundled sentence-transformers model, no hub access) as the agent's embedder
-    loads it (memory/embedder.py), in the dtype it runs in on this machine, so that training and `palace
-    topics` see the features the agent will: bfloat16 instead of float32 moves 24 of 1,000 decisions on
-    data/dev/."""
+    """The agent's embedder (memory/embedder.py: the bundled all-MiniLM-L6-v2, no hub access, in the dtype
+    it runs in on this machine), so that training and `palace topics` see the features the agent will:
+    bfloat16 instead of float32 moves 24 of 1,000 decisions on data/dev/."""
     from memory.embedder import Embedder, EmbedderConfig
 
-    return Embedder(EmbedderConfig(device=device, cache_size=0)).model
+    return Embedder(EmbedderConfig(device=device, batch_size=64, cache_size=0))
 
 
-def embed(embedder, texts: Sequence[str], batch_size: int = 64) -> np.ndarray:
-    """Unit-length float32 embeddings, one row per text (normalised in float32, whatever the model's dtype)."""
-    if not texts:
-        return np.zeros((0, EMBED_DIM), np.float32)
-    out = np.asarray(embedder.encode(list(texts), batch_size=batch_size, convert_to_numpy=True,
-                                     show_progress_bar=False), dtype=np.float32)
-    return out / np.linalg.norm(out, axis=1, keepdims=True)
+def embed(embedder, texts: Sequence[str]) -> np.ndarray:
+    """Unit-length float32 embeddings, one row per text (`embedder`: a memory.embedder.Embedder)."""
+    return embedder.embed(list(texts))
 
 
 def unit(vector: Any) -> np.ndarray:
