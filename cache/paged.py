@@ -143,8 +143,18 @@ class PagedStorage:
         dtype = self.compute_dtype or self.pool.keys.dtype
         return self._gather(self.pool.keys).to(dtype), self._gather(self.pool.values).to(dtype)
 
+    def _consecutive(self, blocks: list[int]) -> bool:
+        return all(b - a == 1 for a, b in zip(blocks, blocks[1:]))
+
     def view(self, dtype):
-        return None  # blocks are not one tensor
+        """When the table's blocks lie in order in the pool (the usual case: a layer's blocks are allocated
+        in order), the held tokens are one strided view of it in the pool's dtype, and attention reads them
+        in one call, as from contiguous storage; otherwise None (attention goes block run by block run)."""
+        if not self.table or self.pool.keys.dtype != dtype or not self._consecutive(self.table):
+            return None
+        first, last = self.table[0], self.table[-1]
+        return tuple(pool[None, :, first : last + 1].flatten(2, 3)[:, :, : self.length]
+                     for pool in (self.pool.keys, self.pool.values))
 
     def chunks(self, dtype):
         """CHUNK tokens at a time, at the same positions as the other float kinds: a chunk whose blocks
@@ -154,7 +164,7 @@ class PagedStorage:
         for slot in range(0, len(self.table), per_chunk):
             blocks = self.table[slot : slot + per_chunk]
             first, stop = slot * self.block_size, min(self.length, (slot + len(blocks)) * self.block_size)
-            if all(b - a == 1 for a, b in zip(blocks, blocks[1:])):
+            if self._consecutive(blocks):
                 keys, values = (pool[:, blocks[0] : blocks[-1] + 1].flatten(1, 2)[:, : stop - first]
                                 for pool in (self.pool.keys, self.pool.values))
             else:

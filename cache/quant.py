@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from cache import native
 from cache.storage import CHUNK, FloatChunk, check_kind
 
 SCALE_DTYPE = torch.float16
@@ -57,7 +58,7 @@ class IntCodec:
     along the last axis. Asymmetric because KV groups are often skewed (e.g. all-positive channels)."""
 
     def __init__(self, bits: int):
-        self.bits, self.levels = bits, 2**bits - 1
+        self.bits, self.levels, self.name = bits, 2**bits - 1, f"int{bits}"
 
     def encode(self, x: torch.Tensor, dim: int) -> Packed:
         """Statistics over `dim` (the group axis); the stored float16 scale/zero are the ones coded against."""
@@ -88,6 +89,8 @@ class Fp8Codec:
     """float8 e4m3 with a symmetric scale per group that maps the group's largest magnitude to 448;
     e4m3's own exponent then covers the spread inside the group."""
 
+    name = "fp8"
+
     def encode(self, x: torch.Tensor, dim: int) -> Packed:
         x = x.float()
         scale = (x.abs().amax(dim, keepdim=True) / FP8_MAX).clamp_min(TINY_SCALE).to(SCALE_DTYPE)
@@ -117,8 +120,9 @@ class QuantChunk:
     few (decode, scoring): a key is levels x scale + zero per channel over its group, so a query's dot
     product is (query x scale) . levels + query . zero, the scale folded into the query once per group;
     a value is levels x scale + zero per token and channel group, so the scale folds into the attention
-    weights. Only the levels are converted to float, the one pass over the codes that cannot be avoided.
-    Many queries (prefill) would make those folded copies larger than the chunk: then it dequantizes."""
+    weights. On the CPU the C kernels of `cache.native` do this reading each code once; elsewhere (or
+    without a compiler) torch's ops do, converting only the levels to float. Many queries (prefill) would
+    make those folded copies larger than the chunk: then it dequantizes."""
 
     def __init__(self, codec, keys: Packed, values: Packed):
         self.codec, self.keys, self.values = codec, keys, values
@@ -129,10 +133,26 @@ class QuantChunk:
         return self.codec.decode(self.keys).flatten(1, 2), self.codec.decode(self.values).flatten(2)
 
     def scores(self, grouped: torch.Tensor) -> torch.Tensor:
+        if grouped.shape[1] > FOLD_ROWS:
+            return torch.matmul(grouped.float(), self.dense()[0].transpose(-1, -2))
+        keys = self.keys
+        if native.available(grouped, keys.codes):
+            return native.key_scores(grouped, keys.codes, keys.scale, keys.zero, self.codec.name, self.codec.unit)
+        return self.folded_scores(grouped)
+
+    def weighted(self, weights: torch.Tensor) -> torch.Tensor:
+        if weights.shape[1] > FOLD_ROWS:
+            return torch.matmul(weights, self.dense()[1])
+        values = self.values
+        if native.available(weights, values.codes):
+            return native.value_weighted(weights, values.codes, values.scale, values.zero, self.codec.name,
+                                         self.codec.unit)
+        return self.folded_weighted(weights)
+
+    def folded_scores(self, grouped: torch.Tensor) -> torch.Tensor:
+        """`scores` in torch ops (the reference the C kernel is tested against, and the path off the CPU)."""
         grouped = grouped.float()
         heads, rows, _ = grouped.shape
-        if rows > FOLD_ROWS:
-            return torch.matmul(grouped, self.dense()[0].transpose(-1, -2))
         levels = self.codec.unpack(self.keys.codes)  # [kv, groups, group, dim]
         folded = grouped[:, None] * (self.keys.scale.float() * self.codec.unit)  # [kv, groups, rows, dim]
         scores = torch.matmul(folded, levels.transpose(-1, -2))  # [kv, groups, rows, group]
@@ -140,10 +160,8 @@ class QuantChunk:
             scores += torch.matmul(grouped[:, None], self.keys.zero.float().transpose(-1, -2))  # [kv, groups, rows, 1]
         return scores.transpose(1, 2).reshape(heads, rows, -1)
 
-    def weighted(self, weights: torch.Tensor) -> torch.Tensor:
-        heads, rows, _ = weights.shape
-        if rows > FOLD_ROWS:
-            return torch.matmul(weights, self.dense()[1])
+    def folded_weighted(self, weights: torch.Tensor) -> torch.Tensor:
+        """`weighted` in torch ops, as `folded_scores` is for `scores`."""
         levels = self.codec.unpack(self.values.codes)  # [kv, n, channel groups, channels]
         scale = (self.values.scale[..., 0].float() * self.codec.unit).transpose(1, 2).contiguous()  # [kv, groups, n]
         parts = [torch.matmul(weights * scale[:, None, j], levels[:, :, j]) for j in range(levels.shape[2])]

@@ -1,0 +1,132 @@
+"""The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
+compiled on first use with the machine's C compiler and loaded through ctypes.
+
+Why C: decode over int8 / int4 / fp8 KV is bound by the bytes it reads, but torch needs several full
+passes to turn codes into floats (widen, shift, mask, convert) before its matmul reads them again. The
+kernels decode each row into a few registers' worth of floats and use it at once, so the codes are
+read once. The library is built for this CPU (-march=native) into the model cache, keyed by the source,
+the flags and the CPU, so a changed machine rebuilds. It links OpenMP by the same soname as torch's
+bundled libgomp, so both share one thread pool.
+
+Where no compiler works, or tensors are not on the CPU, `available()` is False and callers keep torch's
+ops (the reference path, tested against these). PALACE_NATIVE=0 turns the kernels off."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("quant_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
+
+_i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SIGNATURE = [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i]
+
+
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next((line for line in lines if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def library_path() -> Path:
+    from agent.model import cache_dir
+
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_id()]).encode())
+    return cache_dir() / "native" / f"quant_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build(path: Path) -> None:
+    """Compile into a temporary file and rename it into place, so a half-written library is never loaded."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (once, with a one-line reason on stderr) when they cannot be built."""
+    if os.environ.get("PALACE_NATIVE", "1") == "0":
+        return None
+    path = library_path()
+    try:
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        print(f"memory-palace: quantized KV kernels unavailable, using torch ops ({str(detail).strip().splitlines()[-1]})",
+              file=sys.stderr)
+        return None
+    for name in ("key_scores", "value_weighted"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURE, None
+    return lib
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors) and library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
+    """Codes, scales and zero points with every axis after the head axis contiguous (a chunk is a narrow
+    view along axis 1, so the head axis keeps the whole tier's stride: the kernels take that stride and
+    walk the rest densely), scales and zero points with one head stride."""
+    dense = lambda t: t if t is None or t[0].is_contiguous() else t.contiguous()  # noqa: E731
+    codes, scale, zero = dense(codes), dense(scale), dense(zero)
+    if zero is not None and zero.stride(0) != scale.stride(0):
+        scale, zero = scale.contiguous(), zero.contiguous()
+    return codes, scale, zero
+
+
+def key_scores(grouped: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               kind: str, unit: float) -> torch.Tensor:
+    """grouped [kv, rows, dim] float32; codes [kv, groups, group, dim (int4: dim/2)]; scale and zero
+    [kv, groups, 1, dim] float16 -> [kv, rows, groups*group] scores."""
+    grouped = grouped.float().contiguous()
+    codes, scale, zero = _operands(codes, scale, zero)
+    heads, rows, dim = grouped.shape
+    groups, group = codes.shape[1], codes.shape[2]
+    out = torch.empty(heads, rows, groups * group, dtype=torch.float32)
+    library().key_scores(grouped.data_ptr(), heads, rows, dim, codes.data_ptr(), codes.stride(0), groups, group,
+                         KINDS[kind], scale.data_ptr(), _ptr(zero), scale.stride(0), unit, out.data_ptr(),
+                         torch.get_num_threads())
+    return out
+
+
+def value_weighted(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                   kind: str, unit: float) -> torch.Tensor:
+    """weights [kv, rows, n] float32; codes [kv, n, channel groups, channels (int4: channels/2)]; scale and
+    zero [kv, n, channel groups, 1] float16 -> [kv, rows, channel groups * channels]."""
+    weights = weights.float().contiguous()
+    codes, scale, zero = _operands(codes, scale, zero)
+    heads, rows, tokens = weights.shape
+    channel_groups = codes.shape[2]
+    channels = codes.shape[3] * (2 if kind == "int4" else 1)
+    out = torch.empty(heads, rows, channel_groups * channels, dtype=torch.float32)
+    library().value_weighted(weights.data_ptr(), heads, rows, tokens, codes.data_ptr(), codes.stride(0),
+                             channel_groups, channels, KINDS[kind], scale.data_ptr(), _ptr(zero), scale.stride(0),
+                             unit, out.data_ptr(), torch.get_num_threads())
+    return out

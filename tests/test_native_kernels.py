@@ -1,0 +1,73 @@
+"""The C kernels for quantized KV (cache/native.py, issue 13) against torch's ops on the same codes: keys'
+scores and values' weighted sums for the query counts decode and scoring use, on a chunk cut out of a
+longer tier (a view with the whole tier's head stride), through the vector path (SmolLM2's head_dim 64,
+value channel groups of 32) and the scalar one (head_dim 20); built on this machine, with a one-line
+fallback when no compiler works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import native
+from cache.quant import Tier
+
+TOKENS = 1024
+
+
+def tier(kind: str, dim: int, seed: int) -> Tier:
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, TOKENS, dim, generator=generator) * torch.linspace(0.5, 6.0, dim)
+    held = Tier(kind, group=32, channel_group=32)
+    held.append(keys, torch.randn(3, TOKENS, dim, generator=generator))
+    return held
+
+
+def test_the_kernels_build_on_this_machine():
+    assert native.library() is not None
+    assert native.available(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dim", [64, 20])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_kernels_equal_torch_ops_on_the_same_codes(kind, dim):
+    chunk = tier(kind, dim, seed=len(kind) + dim).chunk(256, 768)  # a view: codes of other tokens around it
+    assert not chunk.keys.codes.is_contiguous()
+    generator = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 4, 7, 32):
+        grouped = torch.randn(3, rows, dim, generator=generator)
+        weights = torch.rand(3, rows, 512, generator=generator)
+        want_scores, want_sums = chunk.folded_scores(grouped), chunk.folded_weighted(weights)
+        got_scores, got_sums = chunk.scores(grouped), chunk.weighted(weights)
+        assert got_scores.shape == want_scores.shape and got_sums.shape == want_sums.shape
+        torch.testing.assert_close(got_scores, want_scores, rtol=1e-5, atol=1e-4 * float(want_scores.abs().max()))
+        torch.testing.assert_close(got_sums, want_sums, rtol=1e-4, atol=1e-4 * float(want_sums.abs().max()))
+        dense_keys, dense_values = chunk.dense()
+        torch.testing.assert_close(got_scores, grouped @ dense_keys.transpose(-1, -2), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(got_sums, weights @ dense_values, rtol=1e-4, atol=1e-3)
+
+
+def test_without_a_compiler_attention_keeps_torch_ops_and_says_why_once(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PALACE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.library.cache_clear()
+    try:
+        assert native.library() is None and not native.available(torch.zeros(1))
+        assert native.library() is None
+        message = capsys.readouterr().err.strip().splitlines()
+        assert len(message) == 1 and "quantized KV kernels unavailable" in message[0]
+        chunk = tier("int8", 64, seed=1).chunk(0, 512)
+        grouped = torch.randn(3, 3, 64)
+        torch.testing.assert_close(chunk.scores(grouped), chunk.folded_scores(grouped))
+        assert not list(tmp_path.glob("native/*.so"))  # no half-built library left behind
+    finally:
+        native.library.cache_clear()
+
+
+def test_palace_native_0_turns_them_off(monkeypatch):
+    monkeypatch.setenv("PALACE_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert not native.available(torch.zeros(1))
+    finally:
+        native.library.cache_clear()
