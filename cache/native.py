@@ -41,11 +41,14 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
 def library_path() -> Path:
     from agent.model import cache_dir
 
-    compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
     return cache_dir() / "native" / f"quant_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -55,7 +58,7 @@ def build(path: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
+        subprocess.run([compiler(), *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, path)
     finally:

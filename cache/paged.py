@@ -143,7 +143,8 @@ class PagedStorage:
         dtype = self.compute_dtype or self.pool.keys.dtype
         return self._gather(self.pool.keys).to(dtype), self._gather(self.pool.values).to(dtype)
 
-    def _consecutive(self, blocks: list[int]) -> bool:
+    @staticmethod
+    def _consecutive(blocks: list[int]) -> bool:
         return all(b - a == 1 for a, b in zip(blocks, blocks[1:]))
 
     def view(self, dtype):

@@ -128,13 +128,19 @@ class QuantChunk:
         self.codec, self.keys, self.values = codec, keys, values
         self.kv_heads = keys.codes.shape[0]
 
+    def dense_keys(self) -> torch.Tensor:
+        """Dequantized [kv_heads, n, head_dim] keys."""
+        return self.codec.decode(self.keys).flatten(1, 2)
+
+    def dense_values(self) -> torch.Tensor:
+        return self.codec.decode(self.values).flatten(2)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized [kv_heads, n, head_dim] keys and values."""
-        return self.codec.decode(self.keys).flatten(1, 2), self.codec.decode(self.values).flatten(2)
+        return self.dense_keys(), self.dense_values()
 
     def scores(self, grouped: torch.Tensor) -> torch.Tensor:
         if grouped.shape[1] > FOLD_ROWS:
-            return torch.matmul(grouped.float(), self.dense()[0].transpose(-1, -2))
+            return torch.matmul(grouped.float(), self.dense_keys().transpose(-1, -2))
         keys = self.keys
         if native.available(grouped, keys.codes):
             return native.key_scores(grouped, keys.codes, keys.scale, keys.zero, self.codec.name, self.codec.unit)
@@ -142,7 +148,7 @@ class QuantChunk:
 
     def weighted(self, weights: torch.Tensor) -> torch.Tensor:
         if weights.shape[1] > FOLD_ROWS:
-            return torch.matmul(weights, self.dense()[1])
+            return torch.matmul(weights, self.dense_values())
         values = self.values
         if native.available(weights, values.codes):
             return native.value_weighted(weights, values.codes, values.scale, values.zero, self.codec.name,
