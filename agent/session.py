@@ -258,7 +258,10 @@ def _load(directory: Path, manifest: dict, loaded: "LoadedModel | None", device:
         raise SessionError(directory / MANIFEST, f"was saved for another model ({differs})")
     state = _read_state(directory / manifest["state"], manifest)
     agent = Agent(loaded, config)
-    agent.restore(state, manifest["conversation"], device=loaded.device)
+    try:
+        agent.restore(state, manifest["conversation"], device=loaded.device)
+    except ValueError as error:  # a state this code cannot install (e.g. a quantized layer of an older layout)
+        raise SessionError(directory / manifest["state"], str(error)) from error
     if agent.memory is not None:
         if not manifest["archive"]:
             raise SessionError(directory / MANIFEST, "names no archive, but the session's memory is on")

@@ -22,15 +22,20 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cache.quant import QuantRows
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-SIGNATURE = [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i]
+SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
+              "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -80,8 +85,8 @@ def library() -> ctypes.CDLL | None:
         print(f"memory-palace: quantized KV kernels unavailable, using torch ops ({str(detail).strip().splitlines()[-1]})",
               file=sys.stderr)
         return None
-    for name in ("key_scores", "value_weighted"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURE, None
+    for name, signature in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
     return lib
 
 
@@ -104,17 +109,18 @@ def _operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
     return codes, scale, zero
 
 
-def key_scores(grouped: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               kind: str, unit: float) -> torch.Tensor:
-    """grouped [kv, rows, dim] float32; codes [kv, groups, group, dim (int4: dim/2)]; scale and zero
-    [kv, groups, 1, dim] float16 -> [kv, rows, groups*group] scores."""
+def key_scores(grouped: torch.Tensor, rows: "QuantRows", kind: str, unit: float) -> torch.Tensor:
+    """grouped [kv, rows, dim] float32 queries against quantized key rows (cache.quant.QuantRows, a narrow
+    view of a tier's) -> [kv, rows, tokens] scores, each row's shift applied."""
     grouped = grouped.float().contiguous()
-    codes, scale, zero = _operands(codes, scale, zero)
-    heads, rows, dim = grouped.shape
-    groups, group = codes.shape[1], codes.shape[2]
-    out = torch.empty(heads, rows, groups * group, dtype=torch.float32)
-    library().key_scores(grouped.data_ptr(), heads, rows, dim, codes.data_ptr(), codes.stride(0), groups, group,
-                         KINDS[kind], scale.data_ptr(), _ptr(zero), scale.stride(0), unit, out.data_ptr(),
+    codes, scale, zero = _operands(rows.keys, rows.key_scale, rows.key_zero)
+    starts, groups, shifts = rows.runs()
+    cos, sin = rows.shifts.cos.contiguous(), rows.shifts.sin.contiguous()
+    heads, count, dim = grouped.shape
+    out = torch.empty(heads, count, len(rows), dtype=torch.float32)
+    library().key_scores(grouped.data_ptr(), heads, count, dim, codes.data_ptr(), codes.stride(0), len(groups),
+                         starts.data_ptr(), groups.data_ptr(), shifts.data_ptr(), KINDS[kind], scale.data_ptr(),
+                         _ptr(zero), scale.stride(0), cos.data_ptr(), sin.data_ptr(), unit, out.data_ptr(),
                          torch.get_num_threads())
     return out
 

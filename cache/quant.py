@@ -11,6 +11,11 @@ The same grouping is used by every codec (int8, int4, fp8), so one code path ser
 and zero points are float16: half the bytes of float32, and their 2^-11 relative error is far below any
 8- or 4-bit step. `DynamicStorage` chains precisions by age: full, then int8, then int4.
 
+Codes are written once per precision a token passes through. Compaction keeps any subset of tokens and
+moves their keys to new positions: each key row points at its group's scales wherever it goes
+(`QuantRows`), and owes the rotation of its move (`KeyShifts`), which attention applies in float, so
+quantization error does not grow with the number of compactions.
+
 Batch 1 only: the engine feeds one sequence, so tensors are [1, kv_heads, tokens, head_dim] at the edges;
 inside, [kv_heads, tokens, head_dim]."""
 
@@ -21,7 +26,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from cache import native
-from cache.storage import CHUNK, FloatChunk, check_kind
+from cache.rope import Rerotator
+from cache.storage import CHUNK, FloatChunk, check_kind, held_bytes
 
 SCALE_DTYPE = torch.float16
 TINY_SCALE = torch.finfo(SCALE_DTYPE).tiny  # smallest normal float16: a constant group must not divide by 0
@@ -40,13 +46,15 @@ class Packed:
     def parts(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts())
-
-    def narrow(self, start: int, stop: int, copy: bool = False) -> "Packed":
-        """Entries [start, stop) along dim 1; `copy` when keeping them, so dropped entries really free memory."""
-        cut = lambda t: None if t is None else t[:, start:stop].clone() if copy else t[:, start:stop]  # noqa: E731
+    def narrow(self, start: int, stop: int) -> "Packed":
+        """Entries [start, stop) along dim 1, as views."""
+        cut = lambda t: None if t is None else t[:, start:stop]  # noqa: E731
         return Packed(cut(self.codes), cut(self.scale), cut(self.zero))
+
+    def select(self, index: torch.Tensor) -> "Packed":
+        """These entries along dim 1 (a copy)."""
+        pick = lambda t: None if t is None else t.index_select(1, index.to(t.device))  # noqa: E731
+        return Packed(pick(self.codes), pick(self.scale), pick(self.zero))
 
     def cat(self, other: "Packed") -> "Packed":
         join = lambda a, b: torch.cat((a, b), dim=1) if a is not None else None  # noqa: E731
@@ -115,121 +123,260 @@ CODECS = {"int8": lambda: IntCodec(8), "int4": lambda: IntCodec(4), "fp8": Fp8Co
 FOLD_ROWS = 32  # query rows (group heads x queries) up to which QuantChunk folds scales instead of dequantizing
 
 
+LAYOUT = 2  # of a quantized layer's state: 2, keys a row each pointing at their group and shift
+SPAN, TAIL = -2, -1  # in `QuantizedStorage.rearrange`: where a token comes from, if not from a tier
+
+
+@dataclass
+class KeyShifts:
+    """The distinct rotations that quantized keys still owe. A compaction moves a kept key from position p
+    to p' (cache/rope.py); rotating codes would mean re-quantizing them, adding a rounding error at every
+    compaction. So a key keeps the codes it was quantized with and points at the shift p' - p it owes,
+    which attention applies in float (to the few queries, in decode). Row 0 is always no shift.
+
+    A compaction moves every layer's tokens alike, so all layers owe the same shifts: equal tables are one
+    object (`of` keeps the last few made), never written in place, and a store counts each once."""
+
+    delta: torch.Tensor  # [shifts] int64 positions
+    cos: torch.Tensor  # [shifts, head_dim / 2] float32: both halves of a head turn by the same angles
+    sin: torch.Tensor
+    inv_freq: torch.Tensor | None  # the RoPE frequencies of the angles (None when nothing is owed)
+
+    @classmethod
+    def of(cls, delta: torch.Tensor, inv_freq: torch.Tensor | None, half: int, device) -> "KeyShifts":
+        """The table of these distinct deltas (0 first), angles in float64 (a shift of thousands of
+        positions would lose its low bits in float32); the same object as an equal table made lately."""
+        if len(delta) == 1:
+            inv_freq = None
+        elif inv_freq is None:
+            raise ValueError("shifts other than 0 need the model's RoPE frequencies")
+        key = (tuple(delta.tolist()), None if inv_freq is None else tuple(inv_freq.tolist()), half, str(device))
+        table = _SHIFT_TABLES.pop(key, None)
+        if table is None:
+            frequencies = torch.zeros(half, dtype=torch.float64) if inv_freq is None else inv_freq.double().cpu()
+            angles = delta.double()[:, None] * frequencies[None, :]
+            table = cls(delta.clone(), angles.cos().float().to(device), angles.sin().float().to(device),
+                        None if inv_freq is None else inv_freq.detach().clone())
+        _SHIFT_TABLES[key] = table  # newest last
+        while len(_SHIFT_TABLES) > SHARED_SHIFT_TABLES:
+            _SHIFT_TABLES.pop(next(iter(_SHIFT_TABLES)))
+        return table
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.delta, self.cos, self.sin, self.inv_freq) if t is not None]
+
+    def nbytes(self) -> int:
+        return held_bytes(self.tensors())
+
+
+SHARED_SHIFT_TABLES = 16  # a dynamic store's two tiers, and a compaction's tables before and after, fit
+_SHIFT_TABLES: dict[tuple, KeyShifts] = {}
+
+
+@dataclass
+class QuantRows:
+    """Quantized tokens of one codec, a row each, oldest first. A key row is codes [kv, n, head_dim (int4:
+    /2)] plus the index of its group's per-channel scale and zero point (`key_scale` / `key_zero`
+    [kv, groups, head_dim]) and of the shift it owes (`shifts`). Rows point at their group instead of
+    sitting in fixed blocks so that keeping any subset of them, in any order, moves codes and never
+    re-quantizes. Values are codes per token with per-token scales (`values`)."""
+
+    keys: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor | None
+    key_group: torch.Tensor  # [n] int32
+    key_shift: torch.Tensor  # [n] int32
+    shifts: KeyShifts
+    values: Packed
+
+    def __len__(self) -> int:
+        return self.keys.shape[1]
+
+    @classmethod
+    def encode(cls, codec, keys: torch.Tensor, values: torch.Tensor, group: int, channel_group: int) -> "QuantRows":
+        """keys/values [kv_heads, n, head_dim] at the positions they sit at: keys per channel over runs of
+        `group` tokens (the last run may be shorter), values per token over `channel_group` channels."""
+        heads, count, dim = keys.shape
+        channels = min(channel_group, dim)
+        if dim % channels:
+            raise ValueError(f"head_dim {dim} is not a multiple of the value channel group {channels}")
+        full = count // group * group
+        parts = [codec.encode(keys[:, a:b].reshape(heads, -1, min(b - a, group), dim), dim=2)
+                 for a, b in ((0, full), (full, count)) if b > a]
+        codes = torch.cat([p.codes.flatten(1, 2) for p in parts], dim=1)
+        scale = torch.cat([p.scale[:, :, 0] for p in parts], dim=1)
+        zero = None if parts[0].zero is None else torch.cat([p.zero[:, :, 0] for p in parts], dim=1)
+        index = torch.arange(count, dtype=torch.int32)
+        return cls(codes, scale, zero, index // group, torch.zeros(count, dtype=torch.int32),
+                   KeyShifts.of(torch.zeros(1, dtype=torch.long), None, dim // 2, keys.device),
+                   codec.encode(values.reshape(heads, count, dim // channels, channels), dim=3))
+
+    def narrow(self, start: int, stop: int) -> "QuantRows":
+        """Rows [start, stop) as views (what attention reads: nothing is copied)."""
+        return QuantRows(self.keys[:, start:stop], self.key_scale, self.key_zero, self.key_group[start:stop],
+                         self.key_shift[start:stop], self.shifts, self.values.narrow(start, stop))
+
+    def select(self, index: torch.Tensor) -> "QuantRows":
+        """These rows (a copy), in this order; groups and shifts no row uses any more are dropped."""
+        picked = QuantRows(self.keys.index_select(1, index.to(self.keys.device)), self.key_scale, self.key_zero,
+                           self.key_group[index], self.key_shift[index], self.shifts, self.values.select(index))
+        return picked.compacted()
+
+    def cat(self, other: "QuantRows") -> "QuantRows":
+        join = lambda a, b: None if a is None else torch.cat((a, b), dim=1)  # noqa: E731
+        inv_freq = self.shifts.inv_freq if self.shifts.inv_freq is not None else other.shifts.inv_freq
+        joined = QuantRows(join(self.keys, other.keys), join(self.key_scale, other.key_scale),
+                           join(self.key_zero, other.key_zero),
+                           torch.cat((self.key_group, other.key_group + self.key_scale.shape[1])),
+                           self.key_shift, self.shifts, self.values.cat(other.values))
+        return joined.owing(torch.cat((self.owed(), other.owed())), inv_freq)
+
+    def owed(self) -> torch.Tensor:
+        """[n] int64: the shift each row owes."""
+        return self.shifts.delta[self.key_shift.long()]
+
+    def owing(self, owed: torch.Tensor, inv_freq: torch.Tensor | None) -> "QuantRows":
+        """The same codes, each row owing `owed` [n] positions of rotation; unused groups dropped."""
+        used, group = torch.unique(self.key_group, return_inverse=True)
+        keep = lambda t: None if t is None else t.index_select(1, used.to(t.device))  # noqa: E731
+        distinct, index = _zero_first(owed.long())
+        return QuantRows(self.keys, keep(self.key_scale), keep(self.key_zero), group.to(torch.int32),
+                         index[1:].to(torch.int32),
+                         KeyShifts.of(distinct, inv_freq, self.key_scale.shape[-1] // 2, self.keys.device), self.values)
+
+    def shifted(self, delta: torch.Tensor, inv_freq: torch.Tensor) -> "QuantRows":
+        """The same codes, each row owing `delta` [n] more positions of rotation."""
+        return self.owing(self.owed() + delta.long(), inv_freq)
+
+    def compacted(self) -> "QuantRows":
+        """Drop the groups and shifts no row points at, and merge equal shifts."""
+        return self.owing(self.owed(), self.shifts.inv_freq)
+
+    def dense_keys(self, codec) -> torch.Tensor:
+        """Keys [kv, n, head_dim] in float32 at the positions they sit at now."""
+        group = self.key_group.long().to(self.keys.device)
+        levels = codec.unpack(self.keys)
+        scale = self.key_scale.index_select(1, group).float() * codec.unit
+        keys = levels.mul_(scale) if self.key_zero is None else levels.mul_(scale).add_(self.key_zero.index_select(1, group))
+        if not bool(self.key_shift.any()):
+            return keys
+        shift = self.key_shift.long().to(self.keys.device)
+        cos, sin = self.shifts.cos.index_select(0, shift), self.shifts.sin.index_select(0, shift)
+        return Rerotator.shift(keys, (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)), in_place=True)
+
+    def dense_values(self, codec) -> torch.Tensor:
+        return codec.decode(self.values).flatten(2)
+
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Maximal runs of rows that share a key group and a shift, as the kernel reads them: first rows
+        [runs + 1] (the last one past the end), and each run's group and shift [runs], int32."""
+        group, shift = self.key_group, self.key_shift
+        cuts = torch.nonzero((group[1:] != group[:-1]) | (shift[1:] != shift[:-1])).flatten() + 1
+        starts = torch.cat((torch.zeros(1, dtype=torch.long), cuts, torch.tensor([len(group)])))
+        return starts.to(torch.int32), group[starts[:-1]], shift[starts[:-1]]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held, the shift table included (other layers share it: `held_bytes` counts it once)."""
+        return [t for t in (self.keys, self.key_scale, self.key_zero, self.key_group, self.key_shift,
+                            *self.shifts.tensors(), *self.values.parts()) if t is not None]
+
+    def state(self) -> dict:
+        """Its tensors by reference (a fork's snapshot relies on rows never being written in place)."""
+        return {**_fields(self), "shifts": _fields(self.shifts), "values": _fields(self.values)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "QuantRows":
+        shifts = state["shifts"]
+        table = KeyShifts.of(shifts["delta"], shifts["inv_freq"], shifts["cos"].shape[1], shifts["cos"].device)
+        return cls(**{**state, "shifts": table, "values": Packed(**state["values"])})
+
+
+def _zero_first(owed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct values of [0, *owed] with 0 first, and each entry's index among them."""
+    distinct, index = torch.unique(torch.cat((torch.zeros(1, dtype=torch.long), owed)), return_inverse=True)
+    order = torch.argsort((distinct != 0).to(torch.uint8), stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order))
+    return distinct[order], rank[index]
+
+
+def _fields(item) -> dict:
+    """A dataclass's fields by reference (asdict would deep-copy every tensor)."""
+    return {f.name: getattr(item, f.name) for f in fields(item)}
+
+
 class QuantChunk:
-    """Whole key groups of one tier as attention reads them, without dequantizing when the queries are
-    few (decode, scoring): a key is levels x scale + zero per channel over its group, so a query's dot
-    product is (query x scale) . levels + query . zero, the scale folded into the query once per group;
-    a value is levels x scale + zero per token and channel group, so the scale folds into the attention
-    weights. On the CPU the C kernels of `cache.native` do this reading each code once; elsewhere (or
-    without a compiler) torch's ops do, converting only the levels to float. Many queries (prefill) would
-    make those folded copies larger than the chunk: then it dequantizes."""
+    """Rows of one tier as attention reads them. With few queries (decode, scoring) on the CPU, the C
+    kernels of `cache.native` read each code once: a key is levels x scale + zero per channel over its
+    group, rotated by the shift it owes, so a query's dot product is (R(-shift) query x scale) . levels +
+    R(-shift) query . zero, the rotation and the scale folded into the query once per run of rows that
+    share both; a value is levels x scale + zero per token and channel group, so the scale folds into
+    the attention weights. Many queries (prefill), or no kernels (another device, no compiler), and the
+    chunk is dequantized for a matmul: one chunk of float KV at a time, never the layer's."""
 
-    def __init__(self, codec, keys: Packed, values: Packed):
-        self.codec, self.keys, self.values = codec, keys, values
-        self.kv_heads = keys.codes.shape[0]
-
-    def dense_keys(self) -> torch.Tensor:
-        """Dequantized [kv_heads, n, head_dim] keys."""
-        return self.codec.decode(self.keys).flatten(1, 2)
-
-    def dense_values(self) -> torch.Tensor:
-        return self.codec.decode(self.values).flatten(2)
+    def __init__(self, codec, rows: QuantRows):
+        self.codec, self.rows = codec, rows
+        self.kv_heads = rows.keys.shape[0]
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dense_keys(), self.dense_values()
+        return self.rows.dense_keys(self.codec), self.rows.dense_values(self.codec)
 
     def scores(self, grouped: torch.Tensor) -> torch.Tensor:
-        if grouped.shape[1] > FOLD_ROWS:
-            return torch.matmul(grouped.float(), self.dense_keys().transpose(-1, -2))
-        keys = self.keys
-        if native.available(grouped, keys.codes):
-            return native.key_scores(grouped, keys.codes, keys.scale, keys.zero, self.codec.name, self.codec.unit)
-        return self.folded_scores(grouped)
+        rows = self.rows
+        if grouped.shape[1] > FOLD_ROWS or not native.available(grouped, rows.keys):
+            return torch.matmul(grouped.float(), rows.dense_keys(self.codec).transpose(-1, -2))
+        return native.key_scores(grouped, rows, self.codec.name, self.codec.unit)
 
     def weighted(self, weights: torch.Tensor) -> torch.Tensor:
-        if weights.shape[1] > FOLD_ROWS:
-            return torch.matmul(weights, self.dense_values())
-        values = self.values
-        if native.available(weights, values.codes):
-            return native.value_weighted(weights, values.codes, values.scale, values.zero, self.codec.name,
-                                         self.codec.unit)
-        return self.folded_weighted(weights)
-
-    def folded_scores(self, grouped: torch.Tensor) -> torch.Tensor:
-        """`scores` in torch ops (the reference the C kernel is tested against, and the path off the CPU)."""
-        grouped = grouped.float()
-        heads, rows, _ = grouped.shape
-        levels = self.codec.unpack(self.keys.codes)  # [kv, groups, group, dim]
-        folded = grouped[:, None] * (self.keys.scale.float() * self.codec.unit)  # [kv, groups, rows, dim]
-        scores = torch.matmul(folded, levels.transpose(-1, -2))  # [kv, groups, rows, group]
-        if self.keys.zero is not None:
-            scores += torch.matmul(grouped[:, None], self.keys.zero.float().transpose(-1, -2))  # [kv, groups, rows, 1]
-        return scores.transpose(1, 2).reshape(heads, rows, -1)
-
-    def folded_weighted(self, weights: torch.Tensor) -> torch.Tensor:
-        """`weighted` in torch ops, as `folded_scores` is for `scores`."""
-        levels = self.codec.unpack(self.values.codes)  # [kv, n, channel groups, channels]
-        scale = (self.values.scale[..., 0].float() * self.codec.unit).transpose(1, 2).contiguous()  # [kv, groups, n]
-        parts = [torch.matmul(weights * scale[:, None, j], levels[:, :, j]) for j in range(levels.shape[2])]
-        out = torch.stack(parts, dim=2)  # [kv, rows, channel groups, channels]
-        if self.values.zero is not None:
-            out += torch.matmul(weights, self.values.zero.float()[..., 0])[..., None]
-        return out.flatten(2)
+        values = self.rows.values
+        if weights.shape[1] > FOLD_ROWS or not native.available(weights, values.codes):
+            return torch.matmul(weights, self.rows.dense_values(self.codec))
+        return native.value_weighted(weights, values.codes, values.scale, values.zero, self.codec.name, self.codec.unit)
 
 
 class Tier:
-    """Tokens held at one precision, oldest first, always a whole number of key groups."""
+    """Tokens held at one precision, oldest first (`rows`, None when empty)."""
 
     def __init__(self, kind: str, group: int, channel_group: int, capacity: int | None = None):
         self.kind, self.codec = kind, CODECS[kind]()
         self.group, self.channel_group, self.capacity = group, channel_group, capacity
-        self.keys: Packed | None = None
-        self.values: Packed | None = None
-        self.length = 0
+        self.rows: QuantRows | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.rows is None else len(self.rows)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> QuantRows:
+        """keys/values [kv_heads, n, head_dim] quantized afresh for this tier."""
+        return QuantRows.encode(self.codec, keys, values, self.group, self.channel_group)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values [kv_heads, n * group, head_dim], the newest tokens of this tier."""
-        heads, count, dim = keys.shape
-        channels = min(self.channel_group, dim)
-        if dim % channels:
-            raise ValueError(f"head_dim {dim} is not a multiple of the value channel group {channels}")
-        new_keys = self.codec.encode(keys.reshape(heads, count // self.group, self.group, dim), dim=2)
-        new_values = self.codec.encode(values.reshape(heads, count, dim // channels, channels), dim=3)
-        self.keys = new_keys if self.keys is None else self.keys.cat(new_keys)
-        self.values = new_values if self.values is None else self.values.cat(new_values)
-        self.length += count
+        """keys/values [kv_heads, n, head_dim], the newest tokens of this tier."""
+        self.install(self.encode(keys, values) if self.rows is None else self.rows.cat(self.encode(keys, values)))
+
+    def install(self, rows: QuantRows | None) -> None:
+        self.rows = rows if rows is not None and len(rows) else None
 
     def read(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized float32 tokens [start, stop), decoding only the groups that cover them."""
-        first = start // self.group * self.group
-        keys, values = self.chunk(first, -(-stop // self.group) * self.group).dense()
-        return keys[:, start - first : stop - first], values[:, start - first : stop - first]
+        """Dequantized float32 tokens [start, stop), at the positions they sit at."""
+        return QuantChunk(self.codec, self.rows.narrow(start, stop)).dense()
 
     def chunk(self, start: int, stop: int) -> QuantChunk:
-        """Tokens [start, stop), both on group boundaries, as attention reads them (no copy)."""
-        return QuantChunk(self.codec, self.keys.narrow(start // self.group, stop // self.group),
-                          self.values.narrow(start, stop))
+        """Tokens [start, stop) as attention reads them (no copy)."""
+        return QuantChunk(self.codec, self.rows.narrow(start, stop))
 
     def keep(self, start: int, stop: int) -> None:
-        """Hold only tokens [start, stop), both on group boundaries."""
-        if start == stop:
-            self.keys = self.values = None
-        else:
-            self.keys = self.keys.narrow(start // self.group, stop // self.group, copy=True)
-            self.values = self.values.narrow(start, stop, copy=True)
-        self.length = stop - start
+        """Hold only tokens [start, stop) (copied, so what is dropped really frees memory)."""
+        self.install(None if start >= stop else self.rows.select(torch.arange(start, stop)))
 
-    def nbytes(self) -> int:
-        return self.keys.nbytes() + self.values.nbytes() if self.keys is not None else 0
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.rows is None else self.rows.tensors()
 
     def state(self) -> dict:
-        packed = lambda p: None if p is None else {f.name: getattr(p, f.name) for f in fields(p)}  # noqa: E731
-        return {"length": self.length, "keys": packed(self.keys), "values": packed(self.values)}
+        return {"rows": None if self.rows is None else self.rows.state()}
 
     def load(self, state: dict) -> None:
-        self.length = state["length"]
-        self.keys = Packed(**state["keys"]) if state["keys"] is not None else None
-        self.values = Packed(**state["values"]) if state["values"] is not None else None
+        self.rows = None if state["rows"] is None else QuantRows.from_state(state["rows"])
 
 
 @dataclass(frozen=True)
@@ -261,11 +408,13 @@ class DynamicConfig:
 class QuantizedStorage:
     """LayerStorage holding a full-precision tail (the residual window) and quantized tiers, newest tier
     first. Appends land in the tail; once the tail reaches residual + group tokens its oldest whole groups
-    are quantized into the first tier, and a tier over capacity hands its oldest groups to the next."""
+    are quantized into the first tier, and a tier over capacity hands its oldest tokens to the next.
+    Compaction moves codes (`rearrange`): a token's keys are quantized once per precision it passes
+    through, never again for moving."""
 
     Config = QuantConfig
     kind = "quantized"
-    exact_truncate = False  # groups quantized after the cut stay quantized
+    exact_truncate = False  # tokens the cut leaves, but that were quantized out of the window since, stay quantized
 
     def __init__(self, config: QuantConfig | DynamicConfig | None = None):
         self.config = config or self.Config()
@@ -314,7 +463,8 @@ class QuantizedStorage:
     def fetch(self):
         """All tokens dequantized to the compute dtype, oldest first: [1, kv_heads, length, head_dim]."""
         parts = [tier.read(0, tier.length) for tier in reversed(self.tiers) if tier.length]
-        parts.append((self.tail_keys, self.tail_values))
+        if self.tail_length:
+            parts.append((self.tail_keys, self.tail_values))
         keys = torch.cat([k.to(self.dtype) for k, _ in parts], dim=1)
         values = torch.cat([v.to(self.dtype) for _, v in parts], dim=1)
         return keys[None], values[None]
@@ -323,59 +473,132 @@ class QuantizedStorage:
         return None  # nothing is held in float but the residual window
 
     def chunks(self, dtype):
-        """Oldest first: each tier dequantized a chunk (whole key groups) at a time, then the float tail."""
-        start, size = 0, max(self.config.group, CHUNK // self.config.group * self.config.group)
+        """Oldest first: each tier a chunk at a time, then the float tail."""
+        start = 0
         for tier in reversed(self.tiers):
-            for first in range(0, tier.length, size):
-                yield start + first, tier.chunk(first, min(first + size, tier.length))
+            for first in range(0, tier.length, CHUNK):
+                yield start + first, tier.chunk(first, min(first + CHUNK, tier.length))
             start += tier.length
         if self.tail_length:
             yield start, FloatChunk(self.tail_keys.to(dtype), self.tail_values.to(dtype))
 
     def replace(self, keys, values):
-        """Install a compacted sequence by quantizing it afresh (keys were re-rotated, so old codes are stale)."""
+        """Install a sequence by quantizing it afresh (a snapshot restored, a session loaded)."""
         for tier in self.tiers:
-            tier.keep(0, 0)
+            tier.install(None)
         self.tail_keys = self.tail_values = None
         if keys.shape[2]:
             self.append(keys, values)
 
+    def rearrange(self, start: int, order: torch.Tensor | None, delta: torch.Tensor,
+                  span: tuple[torch.Tensor, torch.Tensor] | None, rerotator: Rerotator) -> None:
+        """A compaction or splice that re-quantizes nothing it need not (`KVStore._rewrite` decides what
+        goes where): tokens [0, start) stay; after them come the sources (the span's float keys and values
+        [kv_heads, n, head_dim], if any, then the held tokens from `start` on) picked by `order` (None: all),
+        each moved by `delta` [moved] positions. A quantized token keeps its codes and owes the shift
+        (`KeyShifts`); a float one is rotated. A token is quantized afresh only where its tier cannot hold
+        it: a float token landing before quantized ones, or (dynamic kind) an int8 one landing before int4
+        ones, which then ages into int4 as it would have."""
+        oldest_first = range(len(self.tiers) - 1, -1, -1)
+        kind = torch.cat([torch.full((self.tiers[i].length,), i) for i in oldest_first]
+                         + [torch.full((self.tail_length,), TAIL)])  # where each held token is: a tier, or the tail
+        local = torch.cat([torch.arange(self.tiers[i].length) for i in oldest_first] + [torch.arange(self.tail_length)])
+        spanned = 0 if span is None else span[0].shape[1]
+        moved_kind = torch.cat((torch.full((spanned,), SPAN), kind[start:]))
+        moved_local = torch.cat((torch.arange(spanned), local[start:]))
+        if order is not None:
+            moved_kind, moved_local = moved_kind[order], moved_local[order]
+        kind, local = torch.cat((kind[:start], moved_kind)), torch.cat((local[:start], moved_local))
+        shift = torch.cat((torch.zeros(start, dtype=torch.long), delta.long()))
+        floats = kind < 0
+        tail = len(kind) - int(floats.flip(0).long().cumprod(0).sum())  # the trailing float run stays float
+        oldest = torch.where(floats, len(self.tiers) - 1, kind)[:tail]
+        target = torch.cummin(oldest, dim=0).values if tail else oldest  # precision never rises with age
+        self.dtype = self.dtype or (span[0].dtype if span is not None else torch.float32)
+        installed = []
+        for index, tier in enumerate(self.tiers):
+            rows = torch.nonzero(target == index).flatten()
+            kept, fresh = kind[rows] == index, rows[kind[rows] != index]
+            pick, parts = torch.empty(len(rows), dtype=torch.long), []
+            if bool(kept.any()):
+                pick[kept] = local[rows[kept]]
+                parts.append(tier.rows)
+            if len(fresh):
+                pick[~kept] = (tier.length if parts else 0) + torch.arange(len(fresh))
+                parts.append(tier.encode(*self._float_rows(kind[fresh], local[fresh], shift[fresh], span, rerotator)))
+            if not parts:
+                installed.append(None)
+                continue
+            rows_now = (parts[0] if len(parts) == 1 else parts[0].cat(parts[1])).select(pick)
+            owed = torch.where(kept, shift[rows], 0)
+            installed.append(rows_now.shifted(owed, rerotator.inv_freq) if bool(owed.any()) else rows_now)
+        rest = torch.arange(tail, len(kind))
+        floats = self._float_rows(kind[rest], local[rest], shift[rest], span, rerotator)
+        for tier, rows in zip(self.tiers, installed):
+            tier.install(rows)
+        self.tail_keys, self.tail_values = (None, None) if floats is None else (t.to(self.dtype) for t in floats)
+        self._settle()
+
+    def _float_rows(self, kind: torch.Tensor, local: torch.Tensor, shift: torch.Tensor,
+                    span: tuple[torch.Tensor, torch.Tensor] | None,
+                    rerotator: Rerotator) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """float32 keys and values [kv_heads, n, head_dim] of these tokens (held in a tier or the tail, or
+        the span's), rotated by `shift` to where they land; None for none."""
+        if not len(kind):
+            return None
+        parts = []
+        for source in kind.unique().tolist():
+            at = torch.nonzero(kind == source).flatten()
+            if source == SPAN:
+                kv = tuple(t[:, local[at].to(t.device)] for t in span)
+            elif source == TAIL:
+                kv = tuple(t[:, local[at].to(t.device)] for t in (self.tail_keys, self.tail_values))
+            else:
+                tier = self.tiers[source]
+                kv = QuantChunk(tier.codec, tier.rows.select(local[at])).dense()
+            parts.append((at, kv))
+        (heads, _, dim), device = parts[0][1][0].shape, parts[0][1][0].device
+        keys = torch.empty(heads, len(kind), dim, device=device)
+        values = torch.empty(heads, len(kind), parts[0][1][1].shape[-1], device=device)
+        for at, (k, v) in parts:
+            keys[:, at.to(device)], values[:, at.to(device)] = k.float(), v.float()
+        if bool(shift.any()):
+            keys = rerotator.shift(keys, rerotator.rotation(shift, device), in_place=True)
+        return keys, values
+
     def truncate(self, length: int) -> None:
-        """Crop to `length` tokens. Whole groups before the cut stay quantized as they are; the partial
-        group the cut falls in is dequantized into the tail, so nothing is quantized twice."""
-        length = max(0, length)
-        if length >= self.length:
-            return
-        start = self.length - self.tail_length
-        if length >= start:
-            keep = length - start
+        """Crop to `length` tokens: rows past the cut go, every kept one stays as it is."""
+        start = 0
+        for tier in reversed(self.tiers):  # oldest first
+            held = tier.length
+            if length - start < held:
+                tier.keep(0, max(0, length - start))
+            start += held
+        keep = max(0, length - start)
+        if keep < self.tail_length:
             self.tail_keys, self.tail_values = self.tail_keys[:, :keep].clone(), self.tail_values[:, :keep].clone()
-            return
-        for tier in self.tiers:  # newest first: every tier after the cut is emptied
-            start -= tier.length
-            if length >= start:
-                cut = length - start
-                whole = cut // self.config.group * self.config.group
-                keys, values = tier.read(whole, cut)
-                self.tail_keys, self.tail_values = keys.to(self.dtype).clone(), values.to(self.dtype).clone()  # not views of a decoded group
-                tier.keep(0, whole)
-                return
-            tier.keep(0, 0)
 
     def fit(self, reserve: int = 0) -> None:
         """Nothing to give back: groups and the tail are allocated to size."""
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held: the tail, and each tier's codes, scales, zero points, indices and shift table."""
+        tail = [] if self.tail_keys is None else [self.tail_keys, self.tail_values]
+        return tail + [t for tier in self.tiers for t in tier.tensors()]
+
     def nbytes(self) -> int:
-        """Bytes really held: codes, scales, zero points and the full-precision tail."""
-        tail = 0 if self.tail_keys is None else 2 * self.tail_keys.numel() * self.tail_keys.element_size()
-        return tail + sum(tier.nbytes() for tier in self.tiers)
+        """Bytes really held, a shift table two tiers share counted once."""
+        return held_bytes(self.tensors())
 
     def state(self) -> dict:
-        return {"kind": self.kind, "config": asdict(self.config), "dtype": self.dtype,
+        return {"kind": self.kind, "layout": LAYOUT, "config": asdict(self.config), "dtype": self.dtype,
                 "tiers": [tier.state() for tier in self.tiers], "tail": (self.tail_keys, self.tail_values)}
 
     def load_state(self, state: dict) -> None:
         check_kind(state, self.kind)
+        if state.get("layout") != LAYOUT:
+            raise ValueError(f"a quantized layer saved in layout {state.get('layout', 1)} cannot be read by this code "
+                             f"(layout {LAYOUT}: keys a row each, owing their shifts)")
         if self.Config(**state["config"]) != self.config:
             raise ValueError(f"a layer quantized as {state['config']} cannot be loaded into one configured {self.config}")
         self.dtype = state["dtype"]

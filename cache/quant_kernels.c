@@ -84,23 +84,36 @@ static inline __m256 dot8(const float *query, const float *block, int dim) {
 }
 #endif
 
-/* Keys quantized per channel over groups of `group` tokens.
- * query [heads][rows][dim] float32; codes: head h, group g, token t at codes + h*code_head +
- * (g*group + t)*row_bytes; scale/zero [heads][groups][dim] with head stride scale_head (zero may be NULL).
- * out [heads][rows][groups*group]: query . (levels * scale * unit + zero), the scale folded into the query. */
+/* Keys quantized per channel over groups of tokens, a row of codes per token, read in runs of rows that
+ * share a group and the shift they owe (see cache/quant.py, QuantRows and KeyShifts).
+ * query [heads][rows][dim] float32; codes: head h, token t at codes + h*code_head + t*row_bytes; run i
+ * covers tokens [run_start[i], run_start[i+1]) of group run_group[i] and shift run_shift[i];
+ * scale/zero [heads][groups][dim] with head stride scale_head (zero may be NULL); shift_cos/shift_sin
+ * [shifts][dim/2], shift 0 none. out [heads][rows][tokens]: query . R(shift)(levels * scale * unit + zero)
+ * = R(-shift) query . (...), the rotation and the scale folded into the query once per run. */
 void key_scores(const float *query, int heads, int rows, int dim, const uint8_t *codes, int64_t code_head,
-                int groups, int group, int kind, const uint16_t *scale, const uint16_t *zero, int64_t scale_head,
-                float unit, float *out, int threads) {
-    const int row_bytes = kind == 4 ? dim / 2 : dim;
-    const int64_t tokens = (int64_t)groups * group;
+                int runs, const int32_t *run_start, const int32_t *run_group, const int32_t *run_shift, int kind,
+                const uint16_t *scale, const uint16_t *zero, int64_t scale_head, const float *shift_cos,
+                const float *shift_sin, float unit, float *out, int threads) {
+    const int row_bytes = kind == 4 ? dim / 2 : dim, half = dim / 2;
+    const int64_t tokens = run_start[runs];
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int h = 0; h < heads; h++) {
-        for (int g = 0; g < groups; g++) {
-            float folded[rows * dim], offset[rows], levels[dim];
+        for (int i = 0; i < runs; i++) {
+            float folded[rows * dim], offset[rows], levels[dim], turned[dim];
+            const int g = run_group[i], u = run_shift[i], first = run_start[i], stop = run_start[i + 1];
             const uint16_t *s = scale + h * scale_head + (int64_t)g * dim;
             const uint16_t *z = zero ? zero + h * scale_head + (int64_t)g * dim : NULL;
+            const float *c = shift_cos + (int64_t)u * half, *sn = shift_sin + (int64_t)u * half;
             for (int r = 0; r < rows; r++) {
                 const float *q = query + ((int64_t)h * rows + r) * dim;
+                if (u) { /* R(-shift) q: each channel pair (d, d + half) turned back by its angle */
+                    for (int d = 0; d < half; d++) {
+                        turned[d] = q[d] * c[d] + q[d + half] * sn[d];
+                        turned[d + half] = q[d + half] * c[d] - q[d] * sn[d];
+                    }
+                    q = turned;
+                }
                 float sum = 0.0f;
                 for (int d = 0; d < dim; d++) {
                     folded[r * dim + d] = q[d] * half_to_float(s[d]) * unit;
@@ -108,29 +121,29 @@ void key_scores(const float *query, int heads, int rows, int dim, const uint8_t 
                 }
                 offset[r] = sum;
             }
-            int t = 0;
+            int t = first;
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
             if (dim % 8 == 0) {
-                for (; t + 8 <= group; t += 8) {
+                for (; t + 8 <= stop; t += 8) {
                     float block[8 * dim];
-                    for (int i = 0; i < 8; i++)
-                        decode_row(codes + h * code_head + ((int64_t)g * group + t + i) * row_bytes, dim, kind, block + i * dim);
+                    for (int k = 0; k < 8; k++)
+                        decode_row(codes + h * code_head + (int64_t)(t + k) * row_bytes, dim, kind, block + k * dim);
                     for (int r = 0; r < rows; r++) {
                         __m256 sums = dot8(folded + r * dim, block, dim);
                         sums = _mm256_add_ps(sums, _mm256_set1_ps(offset[r]));
-                        _mm256_storeu_ps(out + ((int64_t)h * rows + r) * tokens + (int64_t)g * group + t, sums);
+                        _mm256_storeu_ps(out + ((int64_t)h * rows + r) * tokens + t, sums);
                     }
                 }
             }
 #endif
-            for (; t < group; t++) {
-                decode_row(codes + h * code_head + ((int64_t)g * group + t) * row_bytes, dim, kind, levels);
+            for (; t < stop; t++) {
+                decode_row(codes + h * code_head + (int64_t)t * row_bytes, dim, kind, levels);
                 for (int r = 0; r < rows; r++) {
                     const float *f = folded + r * dim;
                     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                     for (int d = 0; d < dim; d++) acc += f[d] * levels[d];
-                    out[((int64_t)h * rows + r) * tokens + (int64_t)g * group + t] = acc + offset[r];
+                    out[((int64_t)h * rows + r) * tokens + t] = acc + offset[r];
                 }
             }
         }

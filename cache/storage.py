@@ -163,6 +163,11 @@ class ContiguousStorage:
         return storage
 
 
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """The bytes under these tensors, each memory block once however many tensors (or layers) share it."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def check_kind(state: dict, kind: str) -> None:
     """A layer's saved state goes back only into the same kind of storage."""
     if state.get("kind") != kind:

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from cache.meta import ROLES, TokenMeta
 from cache.rope import Rerotator
 from cache.span import KVSpan
-from cache.storage import LayerStorage, StorageConfig
+from cache.storage import LayerStorage, StorageConfig, held_bytes
 
 if TYPE_CHECKING:
     from cache.policies import Policy
@@ -276,9 +276,10 @@ class KVStore(Cache):
         """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
         the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
         (None: all of them, as they are, which a splice needs and which costs no gather), with keys
-        re-rotated to positions start, start+1, ... A leading run of `order` that leaves tokens where they
-        are is not moved at all: the layers truncate and append (a quantized layer keeps the codes of
-        what it does not move, as re-quantizing would add error each time), then give back the
+        re-rotated to positions start, start+1, ... (a quantized layer instead keeps its codes and records
+        the rotation each key owes: re-quantizing would add error each time, see `rearrange`). A leading
+        run of `order` that leaves tokens where they are is not moved at all: the layers truncate and
+        append, then give back the
         capacity the evicted tokens held beyond room for `reserve` more (`fit`). A rewrite of everything goes through `replace`."""
         unchanged = self._unchanged_prefix(start, order, span)
         if unchanged:
@@ -295,6 +296,13 @@ class KVStore(Cache):
         delta = positions - moved.position
         shifted, rotation = bool((delta != 0).any()), None
         for i, layer in enumerate(self.layers):
+            if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
+                kv = None if span is None else tuple(t[i].to(layer.device) if layer.is_initialized else t[i]
+                                                     for t in (span.keys, span.values))
+                layer.storage.rearrange(start, order, delta, kv, self.rerotator)
+                if not layer.is_initialized and kv is not None:
+                    layer.lazy_initialization(*kv)
+                continue
             keys, values, fresh = self._sources(i, start, span)
             if order is not None:
                 device_order = order.to(keys.device)
@@ -389,15 +397,18 @@ class KVStore(Cache):
 
     def memory_bytes(self) -> int:
         """Every byte the layers hold: each storage's tensors (capacity, scales, zero points, residual
-        window), and a block pool the layers share counted once, free blocks and all."""
-        total, pools = 0, {}
+        window), and what layers share counted once: a block pool, free blocks and all, and quantized
+        layers' shift tables."""
+        total, pools, shared = 0, {}, []
         for layer in self.layers:
             pool = getattr(layer.storage, "pool", None)
-            if pool is None:
-                total += layer.storage.nbytes()
-            else:
+            if pool is not None:
                 pools[id(pool)] = pool
-        return total + sum(pool.nbytes() for pool in pools.values())
+            elif hasattr(layer.storage, "tensors"):
+                shared.extend(layer.storage.tensors())
+            else:
+                total += layer.storage.nbytes()
+        return total + held_bytes(shared) + sum(pool.nbytes() for pool in pools.values())
 
     def state(self) -> dict:
         """Everything a session needs to continue from this store exactly: metadata, each layer's

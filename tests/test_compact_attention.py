@@ -1,6 +1,6 @@
 """Attention reads compact KV in its own format (issue 13): chunked online softmax over quantized tiers and
 paged blocks gives what SDPA gives over the same tokens; nothing keeps a float copy of a layer; the bytes a
-store reports are every byte its layers hold; and compactions do not re-quantize what they leave in place."""
+store reports are every byte its layers hold; and compactions re-quantize nothing, moved or not."""
 
 from __future__ import annotations
 
@@ -105,11 +105,11 @@ def compaction_store(kind: str) -> KVStore:
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-def test_compactions_do_not_requantize_what_they_leave_in_place(kind):
+def test_compactions_requantize_nothing(kind):
     """Twelve compactions, each evicting a few tokens after a 96-token prefix (a permanent tier), with the
-    keys after them re-rotated; a float32 store given the same steps is the reference. The prefix keeps
-    its exact codes, values keep their error (per-token codes quantize back to themselves), and the
-    re-rotated keys, which must be quantized again, drift by less than sqrt(compactions) x one step's error."""
+    keys after them moved; a float32 store given the same steps is the reference. The prefix keeps its
+    exact codes, and the moved keys and values keep their error: their codes stay, the keys owing their
+    shifts (re-quantizing the re-rotated keys, as this store once did, doubled their error by the twelfth)."""
     stores = {name: compaction_store(name) for name in ("float32", kind)}
     keys, values = random_kv(1200, seed=4)
     for store in stores.values():
@@ -130,5 +130,4 @@ def test_compactions_do_not_requantize_what_they_leave_in_place(kind):
                        float((got_values - want_values).norm() / want_values.norm())))
     assert torch.equal(quantized.layers[0].storage.fetch()[0][:, :, :96], prefix_before)
     (first_keys, first_values), (last_keys, last_values) = errors[0], errors[-1]
-    assert last_values < 1.02 * first_values
-    assert first_keys < last_keys < 12**0.5 * first_keys
+    assert last_values < 1.02 * first_values and last_keys < 1.02 * first_keys

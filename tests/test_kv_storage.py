@@ -165,6 +165,50 @@ def test_quantized_store_stays_aligned_through_keep_and_truncate(tiny, storage):
     assert logits.shape == (3, 512) and bool(torch.isfinite(logits).all()) and store.length == 48
 
 
+def compacted_keys(model, storage: StorageConfig, ids: list[int], evictions: list[torch.Tensor]):
+    """Layer 0's keys and values (which depend only on the tokens and positions, not on the cache) after
+    feeding `ids` and evicting each of `evictions` (indices into the cache as it is then) in turn."""
+    store = store_for(model, storage=storage)
+    feed(model, store, ids)
+    for dropped in evictions:
+        kept = torch.ones(store.length, dtype=torch.bool)
+        kept[dropped] = False
+        store.keep(torch.nonzero(kept).flatten())
+    return store.layers[0].storage.fetch(), store
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "dynamic"])
+def test_many_compactions_add_no_error_to_one(tiny, kind):
+    """Twelve compactions, each evicting tokens all over the cache, leave every kept key and value exactly as
+    quantized when it was fed: the error against float32 KV equals that of one compaction evicting the
+    same tokens at once (the codes are moved, never re-quantized; each key owes its shift instead)."""
+    storage = StorageConfig(kind, residual=16, int8_tokens=64, group=16) if kind == "dynamic" else StorageConfig(kind)
+    ids = [int(i) for i in torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(0))]
+    generator, length, steps = torch.Generator().manual_seed(1), 400, []
+    for _ in range(12):
+        steps.append(torch.randperm(length - 8, generator=generator)[:20])  # anywhere but the newest 8 tokens
+        length -= 20
+    survivors = torch.arange(400)
+    for dropped in steps:
+        survivors = survivors[torch.isin(torch.arange(len(survivors)), dropped, invert=True)]
+    union = torch.nonzero(~torch.isin(torch.arange(400), survivors)).flatten()
+    (exact, exact_values), _ = compacted_keys(tiny, StorageConfig("float32"), ids, [union])
+    (many, many_values), store = compacted_keys(tiny, storage, ids, steps)
+    (one, one_values), _ = compacted_keys(tiny, storage, ids, [union])
+    assert many.shape == one.shape == exact.shape == (1, 2, 160, 16)
+    tables = [layer.storage.tiers[0].rows.shifts for layer in store.layers]
+    assert len(tables[0].delta) > 12 and all(table is tables[0] for table in tables)  # many shifts, one table
+    shared = {id(tier.rows.shifts): tier.rows.shifts.nbytes() for tier in store.layers[0].storage.tiers if tier.rows}
+    assert store.memory_bytes() == sum(layer.storage.nbytes() for layer in store.layers) - sum(shared.values())
+    many_error, one_error = relative_error(many, exact), relative_error(one, exact)
+    assert 0 < one_error < (0.15 if kind in ("int4", "dynamic") else 0.05)
+    assert many_error == pytest.approx(one_error, rel=1e-3, abs=1e-6)
+    assert relative_error(many_values, exact_values) == pytest.approx(relative_error(one_values, exact_values), rel=1e-5)
+    logits = feed(tiny, store, [5, 6, 7])  # and attention reads the owed shifts right: as the float store
+    reference = compacted_keys(tiny, StorageConfig("float32"), ids, steps)[1]
+    assert torch.allclose(logits, feed(tiny, reference, [5, 6, 7]), atol=0.1 if kind in ("int4", "dynamic") else 0.03)
+
+
 def test_quantized_state_round_trip():
     keys, values = kv(200)
     for storage in (fill(QuantizedStorage(QuantConfig(kind="int4")), keys, values),

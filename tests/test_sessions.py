@@ -5,6 +5,8 @@ random Llama with the embedded tokenizer (or the embedded model), MiniLM, FAISS,
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import random
@@ -15,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -146,6 +149,33 @@ def test_damaged_and_foreign_sessions_are_refused_in_one_line_naming_the_file(ti
     assert Agent.load(tmp_path / "good", loaded=tiny_loaded).turn_index == 5  # the others stay usable
     listed = {info.path.name: info for info in list_sessions(tmp_path)}
     assert listed["good"].turns == 5 and listed["manifest"].problem and listed["version"].problem
+
+
+def test_a_quantized_cache_saved_in_an_older_layout_is_refused_naming_the_state_file(tiny_loaded, tiny_dir, tmp_path):
+    """Sessions saved before key rows owed their shifts (layout 1) cannot be read back into this storage."""
+    from cache.storage import StorageConfig
+
+    config = dataclasses.replace(palace_config(tiny_dir), storage=StorageConfig("int8", residual=8, group=8))
+    agent = conversed(tiny_loaded, config, TURNS[:3])
+    agent.save(tmp_path / "old")
+    agent.close()
+    manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
+    state_file = tmp_path / "old" / manifest["state"]
+    state = torch.load(state_file, weights_only=True)
+    resumed = Agent.load(tmp_path / "old", loaded=tiny_loaded)
+    assert resumed.turn_index == 3
+    resumed.close()
+    for layer in state["store"]["layers"]:
+        assert layer.pop("layout") == 2
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    state_file.write_bytes(buffer.getvalue())
+    manifest.update(state_bytes=len(buffer.getvalue()), state_crc32=zlib.crc32(buffer.getvalue()))
+    (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(SessionError) as caught:
+        Agent.load(tmp_path / "old", loaded=tiny_loaded)
+    message = str(caught.value)
+    assert "\n" not in message and manifest["state"] in message and "layout 1" in message
 
 
 KILLED_SAVER = textwrap.dedent("""
