@@ -21,6 +21,7 @@ inside, [kv_heads, tokens, head_dim]."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -151,15 +152,16 @@ class KeyShifts:
         elif inv_freq is None:
             raise ValueError("shifts other than 0 need the model's RoPE frequencies")
         key = (tuple(delta.tolist()), None if inv_freq is None else tuple(inv_freq.tolist()), half, str(device))
-        table = _SHIFT_TABLES.pop(key, None)
-        if table is None:
-            frequencies = torch.zeros(half, dtype=torch.float64) if inv_freq is None else inv_freq.double().cpu()
-            angles = delta.double()[:, None] * frequencies[None, :]
-            table = cls(delta.clone(), angles.cos().float().to(device), angles.sin().float().to(device),
-                        None if inv_freq is None else inv_freq.detach().clone())
-        _SHIFT_TABLES[key] = table  # newest last
-        while len(_SHIFT_TABLES) > SHARED_SHIFT_TABLES:
-            _SHIFT_TABLES.pop(next(iter(_SHIFT_TABLES)))
+        with _SHIFT_LOCK:  # agents in other threads share the tables (they are never written)
+            table = _SHIFT_TABLES.pop(key, None)
+            if table is None:
+                frequencies = torch.zeros(half, dtype=torch.float64) if inv_freq is None else inv_freq.double().cpu()
+                angles = delta.double()[:, None] * frequencies[None, :]
+                table = cls(delta.clone(), angles.cos().float().to(device), angles.sin().float().to(device),
+                            None if inv_freq is None else inv_freq.detach().clone())
+            _SHIFT_TABLES[key] = table  # newest last
+            while len(_SHIFT_TABLES) > SHARED_SHIFT_TABLES:
+                _SHIFT_TABLES.pop(next(iter(_SHIFT_TABLES)))
         return table
 
     def tensors(self) -> list[torch.Tensor]:
@@ -171,6 +173,7 @@ class KeyShifts:
 
 SHARED_SHIFT_TABLES = 16  # a dynamic store's two tiers, and a compaction's tables before and after, fit
 _SHIFT_TABLES: dict[tuple, KeyShifts] = {}
+_SHIFT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -533,10 +536,10 @@ class QuantizedStorage:
             owed = torch.where(kept, shift[rows], 0)
             installed.append(rows_now.shifted(owed, rerotator.inv_freq) if bool(owed.any()) else rows_now)
         rest = torch.arange(tail, len(kind))
-        floats = self._float_rows(kind[rest], local[rest], shift[rest], span, rerotator)
+        tail_kv = self._float_rows(kind[rest], local[rest], shift[rest], span, rerotator)
         for tier, rows in zip(self.tiers, installed):
             tier.install(rows)
-        self.tail_keys, self.tail_values = (None, None) if floats is None else (t.to(self.dtype) for t in floats)
+        self.tail_keys, self.tail_values = (None, None) if tail_kv is None else (t.to(self.dtype) for t in tail_kv)
         self._settle()
 
     def _float_rows(self, kind: torch.Tensor, local: torch.Tensor, shift: torch.Tensor,
