@@ -297,8 +297,11 @@ def test_chat_session_resumes_saves_lists_and_ctrl_c_keeps_the_partial_reply(tin
     bad = subprocess.run(palace + ["--session", str(session)], capture_output=True, text=True, timeout=300, env=ONE_THREAD,
                          input="hi\n")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and MANIFEST in bad.stderr, bad.stderr
+    # Ctrl-C as a terminal sends it: a suite started in the background (a shell without job control) passes its
+    # children SIGINT ignored, which Python then keeps, and the chat's Ctrl-C at the prompt would do nothing
     child = subprocess.Popen(palace + ["--max-new-tokens", "4000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, bufsize=1, env=ONE_THREAD)
+                             stderr=subprocess.PIPE, text=True, bufsize=1, env=ONE_THREAD,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.stdin.write("Tell me everything.\n")
     child.stdin.flush()
     assert child.stdout.read(len("palace> ")) == "palace> "
