@@ -58,7 +58,8 @@ def library_path() -> Path:
 
 
 def build(path: Path) -> None:
-    """Compile into a temporary file and rename it into place, so a half-written library is never loaded."""
+    """Compile into a temporary file and rename it into place, so a half-written library is never loaded;
+    then remove the builds of other sources or CPUs beside it (a process that loaded one keeps its mapping)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
@@ -68,6 +69,9 @@ def build(path: Path) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    for stale in path.parent.glob("quant_kernels-*.so"):
+        if stale != path:
+            stale.unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)

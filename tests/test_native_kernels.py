@@ -61,6 +61,15 @@ def test_kernels_equal_the_dense_matmul_on_the_same_codes(kind, dim, moved):
         torch.testing.assert_close(got_sums, want_sums, rtol=1e-4, atol=1e-4 * float(want_sums.abs().max()))
 
 
+def test_a_new_build_replaces_the_stale_ones_beside_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PALACE_CACHE", str(tmp_path))
+    stale = native.library_path().with_name("quant_kernels-0123456789abcdef.so")
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older build")
+    native.build(native.library_path())
+    assert [p.name for p in stale.parent.iterdir()] == [native.library_path().name]
+
+
 def test_without_a_compiler_attention_keeps_torch_ops_and_says_why_once(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("PALACE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
