@@ -312,7 +312,7 @@ class Agent:
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
                 summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
         turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to,
-                                           referents, summarised)
+                                           referents, summarised, upcoming=len(self.user_feed(turn).ids))
 
     @one_thread
     def prefill(self, turn: Turn) -> None:
@@ -368,20 +368,24 @@ class Agent:
         return Feed(self.store, turn.index, turn.segment).add(self.format.user_message(turn.text), "user")
 
     @one_thread
-    def reply_feed(self, turn: Turn, reply: str | None = None) -> Feed:
+    def reply_feed(self, turn: Turn, reply: str | None = None, ahead: int = 0) -> Feed:
         """What `remember` feeds: a reply's text (None: already fed by decode), then its closing and the
-        next user header, which opens the user's next message."""
+        next user header, which opens the user's next message. When the notes changed, the new ones go
+        between the closing and the header, and the old ones' KV is dropped now. `ahead`: tokens fed before
+        this feed in the same prefill (a caller that joins the user's message to it)."""
         feed = Feed(self.store, turn.index, turn.segment)
         feed.add(self.format.assistant_reply(reply) if reply is not None else [], "assistant")
         notes = self._renewed_notes()
         if notes is None:
             return feed.add(self.format.next_user_header(), "user")
         closing, block, header = self.format.closing_note_header(notes)
-        return feed.add(closing, "user").add(block, "system", turn=NOTES_TURN, segment=NOTES_TURN).add(header, "user")
+        feed.add(closing, "user").add(block, "system", turn=NOTES_TURN, segment=NOTES_TURN).add(header, "user")
+        self._drop_old_notes(ahead + len(feed.ids))
+        return feed
 
     def _renewed_notes(self) -> str | None:
-        """When the profile or summary changed: drop the old notes' KV (replaced, not appended) and return
-        the new text to feed; None when unchanged."""
+        """The notes' new text when the profile or summary changed (it becomes `self.notes`); None when
+        unchanged."""
         if self.config.profile is None:
             return None
         started = time.perf_counter()
@@ -389,13 +393,24 @@ class Agent:
         notes = render(self.graph, self.summary, self._count_tokens, profile.cap(self.policy.budget), profile.superseded)
         changed = bool(notes) and notes != self.notes
         if changed:
-            old = self.store.meta.turn == NOTES_TURN
-            if bool(old.any()):
-                with torch.inference_mode():
-                    self.store.keep(torch.nonzero(~old).flatten())
             self.notes = notes
         self._charge("notes", started)  # rendering counts every turn, not only when the notes change
         return notes if changed else None
+
+    def _drop_old_notes(self, incoming: int) -> None:
+        """Drop the old notes' KV (replaced, not appended) in the compaction that makes room for the
+        `incoming` tokens about to be fed: one rewrite of the cache, not one for the notes and another
+        for the feed. It counts as the notes' work only when the feed needed no room of its own (else the
+        policy would have compacted anyway)."""
+        started = time.perf_counter()
+        rest = torch.nonzero(self.store.meta.turn != NOTES_TURN).flatten()
+        if rest.numel() == self.store.length:
+            return
+        kept = self.policy.room_for(self.store.meta.select(rest), incoming)
+        with torch.inference_mode():
+            self.store.keep(rest if kept is None else rest[kept], reserve=incoming)
+        if kept is None:
+            self._charge("notes", started)
 
     @one_thread
     def score(self, choices: list[str]) -> list[float]:

@@ -48,8 +48,8 @@ class Snapshot:
                    store.next_serial)
 
     def restore(self, store: KVStore) -> None:
-        for layer, (keys, values) in zip(store.layers, self.kv):
-            layer.storage.replace(keys, values)
+        for layer, (keys, values) in zip(store.layers, self.kv):  # into fresh memory, sized to the tokens
+            layer.storage.load_state({"kind": "contiguous", "keys": keys, "values": values})
         store.meta, store.next_serial = self.meta.clone(), self.next_serial
 
 

@@ -5,7 +5,7 @@ kind's tokens without a copy, `fetch` / `update_and_fetch` return all of them in
 transient copy for compaction, saving and transformers' own attention, never retained), `replace`
 installs a compacted (kept, re-rotated) sequence, `truncate` crops back (keeping its memory, as a fork
 rolls back to refill at once), `fit` gives back what is held beyond the tokens and room for a few more
-(after a compaction that truncated and appended), `nbytes` counts the memory
+when that is a large share (after a compaction that truncated and appended), `nbytes` counts the memory
 really held, and `state` / `load_state` save and restore it (`from_state` builds a new one)."""
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class ContiguousStorage:
 
     exact_truncate = True  # truncate() restores exactly what was held before the cut (a fork relies on it)
 
-    def __init__(self, dtype: torch.dtype | None = None):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype | None = None, ceiling: int | None = None):
+        """`ceiling`: the most tokens the store keeps between turns (its budget; None: unbounded)."""
+        self.dtype, self.ceiling = dtype, ceiling
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = 0
@@ -79,7 +80,7 @@ class ContiguousStorage:
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if needed <= capacity:
             return
-        new_capacity = -(-needed // GROW) * GROW
+        new_capacity = _steps(needed)
         shape = (like.shape[0], like.shape[1], new_capacity, like.shape[3])
         dtype = self.dtype or like.dtype
         keys = torch.empty(shape, dtype=dtype, device=like.device)
@@ -116,24 +117,28 @@ class ContiguousStorage:
             yield start, FloatChunk(self.keys[0, :, start:stop].to(dtype), self.values[0, :, start:stop].to(dtype))
 
     def replace(self, keys, values):
-        """Install a compacted sequence; capacity shrinks to fit so evicted memory is really released."""
-        self.keys = self.values = None
+        """Install a compacted sequence, in the memory held when it fits (`fit` then gives back a large
+        excess): `keys`/`values` are new tensors or views of the held ones from their first token."""
         self.length = 0
-        if not keys.shape[2]:  # nothing kept: nothing to allocate
+        if not keys.shape[2]:  # nothing kept: nothing to hold
+            self.keys = self.values = None
             return
-        self._reserve(keys.shape[2], keys)
-        self.keys[:, :, : keys.shape[2]] = keys
-        self.values[:, :, : keys.shape[2]] = values
-        self.length = keys.shape[2]
+        self.append(keys, values)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
     def fit(self, reserve: int = 0) -> None:
-        """Shrink capacity to the growth step that holds the tokens and `reserve` more (one copy, only
-        if that frees memory)."""
-        needed = -(-(self.length + reserve) // GROW) * GROW
+        """Shrink capacity to the growth step that holds the tokens and `reserve` more, unless what it
+        would free is at most a quarter of it and within the ceiling's growth step. Shrinking is a copy
+        of the whole layer (40 % of a compaction's time at 1K tokens), and a cache under a budget refills
+        what one compaction freed within a turn or two: a small excess is kept, not copied away and grown
+        back; capacity a scoring fork grew past the budget is given back."""
+        needed = _steps(self.length + reserve)
         if self.keys is None or self.keys.shape[2] <= needed:
+            return
+        small = self.keys.shape[2] - needed <= max(GROW, self.keys.shape[2] // 4)
+        if small and (self.ceiling is None or self.keys.shape[2] <= _steps(self.ceiling)):
             return
         if not self.length and not reserve:
             self.keys = self.values = None
@@ -151,7 +156,7 @@ class ContiguousStorage:
 
     def load_state(self, state: dict) -> None:
         check_kind(state, "contiguous")
-        self.keys = self.values = None
+        self.keys = self.values = None  # allocated to the state's size
         self.length = 0
         if state["keys"] is not None:
             self.replace(state["keys"], state["values"])
@@ -161,6 +166,11 @@ class ContiguousStorage:
         storage = cls(dtype)
         storage.load_state(state)
         return storage
+
+
+def _steps(tokens: int) -> int:
+    """Capacity for `tokens`: whole growth steps."""
+    return -(-tokens // GROW) * GROW
 
 
 def held_bytes(tensors: list[torch.Tensor]) -> int:
@@ -211,7 +221,7 @@ class StorageConfig:
         if self.kv_dtype in FLOAT_KV:
             dtype = FLOAT_KV[self.kv_dtype]
             if not self.paged:
-                return [ContiguousStorage(dtype) for _ in range(num_layers)]
+                return [ContiguousStorage(dtype, capacity) for _ in range(num_layers)]
             tokens = self.max_tokens if capacity is None else capacity + max(256, capacity // 2)
             return [PagedStorage(BlockPool(-(-tokens // self.block_size) + 1, self.block_size, dtype))
                     for _ in range(num_layers)]

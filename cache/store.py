@@ -193,12 +193,13 @@ class KVStore(Cache):
             self.on_evict(span)
 
     @torch.inference_mode()  # the storage was filled by forwards in inference mode
-    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end") -> None:
+    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end", reserve: int = 0) -> None:
         """Splice archived spans back in, recalled at `turn`: at the "end" (after the cache, like a note
         retrieved before the user's next message, in the order given: the policy's compaction, then an
         append) or "chronological" (each token where it was in the conversation by serial order;
         everything after the earliest one moves up, in one rewrite). The policy first makes room for them
-        all, so the budget holds. Keys
+        all, and for `reserve` more tokens the caller feeds next (the user's message: one compaction
+        for both, not one here and another before its prefill), so the budget holds. Keys
         are re-rotated from the spans' positions to where they land; the rows are marked
         `recalled_at = turn` and their importance rescaled to the live cache's level (see `_recalled`).
         The cached logits no longer predict the next token, so `next_logits` is cleared: feed something
@@ -216,9 +217,9 @@ class KVStore(Cache):
         if self.policy.budget is not None and len(span) > self.policy.budget:
             raise ValueError(f"spans of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
         span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
-        kept = self.policy.room_for(self.meta, len(span))
+        kept = self.policy.room_for(self.meta, len(span) + reserve)
         if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
-            self.keep(kept, reserve=len(span))
+            self.keep(kept, reserve=len(span) + reserve)
             kept = None
         if kept is not None:  # chronological: make room and splice in one rewrite of the whole cache
             kept = torch.unique(kept.to(torch.long).cpu())
@@ -279,8 +280,8 @@ class KVStore(Cache):
         re-rotated to positions start, start+1, ... (a quantized layer instead keeps its codes and records
         the rotation each key owes: re-quantizing would add error each time, see `rearrange`). A leading
         run of `order` that leaves tokens where they are is not moved at all: the layers truncate and
-        append, then give back the
-        capacity the evicted tokens held beyond room for `reserve` more (`fit`). A rewrite of everything goes through `replace`."""
+        append (a rewrite of everything: `replace`), then give back the capacity the evicted tokens held
+        beyond room for `reserve` more when that is a large share (`fit`)."""
         unchanged = self._unchanged_prefix(start, order, span)
         if unchanged:
             offset = len(span) if span is not None else 0
@@ -315,7 +316,7 @@ class KVStore(Cache):
             else:
                 layer.storage.truncate(start)
                 layer.storage.append(keys, values)
-                layer.storage.fit(reserve)
+            layer.storage.fit(reserve)
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
         moved.position = positions

@@ -280,3 +280,16 @@ def test_embedded_top1_agreement_with_float32_kv(one_thread, embedded):
     print("top-1 agreement with float32 KV:", agreement)
     for kind, floor in AGREEMENT_FLOORS.items():
         assert agreement[kind] >= floor, (kind, agreement)
+
+
+def test_a_compaction_that_frees_a_little_keeps_capacity_and_one_that_frees_much_gives_it_back(tiny):
+    """Shrinking copies the whole layer, and a budgeted cache refills what one compaction freed within a
+    turn: a small excess stays allocated (no copy), a large one is given back."""
+    store = store_for(tiny)
+    feed(tiny, store, torch.randint(0, 512, (640,), generator=torch.Generator().manual_seed(0)).tolist())
+    storage = store.layers[0].storage
+    buffer, before = storage.keys.data_ptr(), store.memory_bytes()
+    store.keep(torch.arange(40, 640))  # frees 40 of 640 tokens
+    assert storage.keys.data_ptr() == buffer and store.memory_bytes() == before and store.length == 600
+    store.keep(torch.arange(0, 200), reserve=10)  # frees 400
+    assert storage.keys.shape[2] == 256 and store.memory_bytes() == before * 256 // 640

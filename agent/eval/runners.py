@@ -65,7 +65,8 @@ class CacheRunner:
         turn = self.agent.observe(text)
         self.agent.recall(turn)
         self.agent.note_reply(turn, reply)
-        return [self.agent.user_feed(turn).then(self.agent.reply_feed(turn, reply))]
+        user = self.agent.user_feed(turn)
+        return [user.then(self.agent.reply_feed(turn, reply, ahead=len(user.ids)))]
 
     def reply(self, text: str | None) -> list[Feed]:
         self.agent.note_reply(self.turn, text)
