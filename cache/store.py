@@ -198,8 +198,9 @@ class KVStore(Cache):
         retrieved before the user's next message, in the order given: the policy's compaction, then an
         append) or "chronological" (each token where it was in the conversation by serial order;
         everything after the earliest one moves up, in one rewrite). The policy first makes room for them
-        all, and for `reserve` more tokens the caller feeds next (the user's message: one compaction
-        for both, not one here and another before its prefill), so the budget holds. Keys
+        all, and for `reserve` more tokens the caller feeds next (the user's message: one compaction for
+        both where there would be two, evicting what the two would: `Policy.room_for`), so the budget
+        holds. Keys
         are re-rotated from the spans' positions to where they land; the rows are marked
         `recalled_at = turn` and their importance rescaled to the live cache's level (see `_recalled`).
         The cached logits no longer predict the next token, so `next_logits` is cleared: feed something
@@ -217,7 +218,7 @@ class KVStore(Cache):
         if self.policy.budget is not None and len(span) > self.policy.budget:
             raise ValueError(f"spans of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
         span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
-        kept = self.policy.room_for(self.meta, len(span) + reserve)
+        kept = self.policy.room_for(self.meta, len(span), then=reserve)
         if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
             self.keep(kept, reserve=len(span) + reserve)
             kept = None
