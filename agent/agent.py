@@ -312,7 +312,7 @@ class Agent:
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
                 summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
         turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to,
-                                           referents, summarised, upcoming=len(self.user_feed(turn).ids))
+                                           referents, summarised)
 
     @one_thread
     def prefill(self, turn: Turn) -> None:

@@ -101,15 +101,11 @@ class Policy:
         priority[meta.pinned] = PINNED
         return torch.topk(priority, k=min(target, len(meta))).indices.sort().values
 
-    def room_for(self, meta: TokenMeta, incoming: int, then: int = 0) -> torch.Tensor | None:
-        """The tokens to keep so that `incoming` more fit within the budget, and `then` more after them
-        without a second compaction (evicting what making room for each in turn would: when the slack
-        left after room for `incoming` holds `then`, nothing more); None if they all fit already."""
-        if self.budget is None or len(meta) + incoming + then <= self.budget:
+    def room_for(self, meta: TokenMeta, incoming: int) -> torch.Tensor | None:
+        """The tokens to keep so that `incoming` more fit within the budget; None if they fit already."""
+        if self.budget is None or len(meta) + incoming <= self.budget:
             return None
-        if len(meta) + incoming > self.budget and then <= self.slack:
-            then = 0
-        return self.select(meta, max(0, self.budget - incoming - then - self.slack))
+        return self.select(meta, max(0, self.budget - incoming - self.slack))
 
     def make_room(self, store: KVStore, incoming: int) -> None:
         """Evict so that `incoming` more tokens fit within the budget."""

@@ -193,14 +193,12 @@ class KVStore(Cache):
             self.on_evict(span)
 
     @torch.inference_mode()  # the storage was filled by forwards in inference mode
-    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end", reserve: int = 0) -> None:
+    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end") -> None:
         """Splice archived spans back in, recalled at `turn`: at the "end" (after the cache, like a note
         retrieved before the user's next message, in the order given: the policy's compaction, then an
         append) or "chronological" (each token where it was in the conversation by serial order;
         everything after the earliest one moves up, in one rewrite). The policy first makes room for them
-        all, and for `reserve` more tokens the caller feeds next (the user's message: one compaction for
-        both where there would be two, evicting what the two would: `Policy.room_for`), so the budget
-        holds. Keys
+        all, so the budget holds. Keys
         are re-rotated from the spans' positions to where they land; the rows are marked
         `recalled_at = turn` and their importance rescaled to the live cache's level (see `_recalled`).
         The cached logits no longer predict the next token, so `next_logits` is cleared: feed something
@@ -218,9 +216,9 @@ class KVStore(Cache):
         if self.policy.budget is not None and len(span) > self.policy.budget:
             raise ValueError(f"spans of {len(span)} tokens cannot fit a {self.policy.budget}-token budget")
         span = dataclasses.replace(span, meta=self._recalled(span.meta, turn))
-        kept = self.policy.room_for(self.meta, len(span), then=reserve)
+        kept = self.policy.room_for(self.meta, len(span))
         if kept is not None and at == "end":  # compact, then append: the splice moves nothing a second time
-            self.keep(kept, reserve=len(span) + reserve)
+            self.keep(kept, reserve=len(span))
             kept = None
         if kept is not None:  # chronological: make room and splice in one rewrite of the whole cache
             kept = torch.unique(kept.to(torch.long).cpu())

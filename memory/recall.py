@@ -159,14 +159,11 @@ class LongTermMemory:
         return vector
 
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
-               referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None,
-               upcoming: int = 0) -> list[Recalled]:
+               referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget. `query`: the turn's
         embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any;
-        `referents`: turns where what its references resolve to was last named, with the entity; `summarised`:
-        turns of a summary keyframe like it, with the similarity; `upcoming`: tokens fed right after (the
-        user's message), for which the splice's compaction makes room too."""
+        `referents`: turns where what its references resolve to was last named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -188,7 +185,7 @@ class LongTermMemory:
             self.charge("search", started)
             started = time.perf_counter()
             if chosen and self.config.reinject == "kv":
-                self.store.inject(chosen, turn, self.config.placement, reserve=upcoming)
+                self.store.inject(chosen, turn, self.config.placement)
             elif chosen:  # the baseline: the same tokens re-encoded after the cache, as a note
                 span = KVSpan.cat(chosen)
                 self.feed(span.meta.token.tolist(), turn)

@@ -181,18 +181,6 @@ def test_budget_holds_after_every_injection(tiny, policy):
     assert injected >= 8
 
 
-def test_an_injection_makes_room_for_what_the_caller_feeds_next_in_the_same_compaction(tiny):
-    """`reserve`: the user's message that follows a recall fits without a second compaction."""
-    store = store_for(tiny, "hybrid", 64)
-    archive: list[KVSpan] = []
-    store.on_evict = archive.append
-    converse(tiny, store, [6, 12, 12, 12, 12, 12, 12])
-    span = archive[0].select(~store.holds(archive[0].serials))
-    store.inject(span, turn=6, at="end", reserve=14)
-    assert store.length + 14 <= 64 and aligned(store)
-    assert store.policy.room_for(store.meta, 14) is None  # the prefill that follows evicts nothing
-
-
 def test_recalled_tokens_survive_the_next_make_room_under_hybrid(tiny):
     """A span of an old turn recalled into a full cache: hybrid counts it as used at the turn that recalled
     it (hot), so the prefill that follows, which must evict, keeps it. Judged on its stale turn and the
