@@ -380,7 +380,8 @@ class Agent:
             return feed.add(self.format.next_user_header(), "user")
         closing, block, header = self.format.closing_note_header(notes)
         feed.add(closing, "user").add(block, "system", turn=NOTES_TURN, segment=NOTES_TURN).add(header, "user")
-        self._drop_old_notes(ahead + len(feed.ids))
+        incoming, chunk = ahead + len(feed.ids), self.policy.max_chunk()
+        self._drop_old_notes(incoming if chunk is None else min(incoming, chunk))  # what prefill feeds first
         return feed
 
     def _renewed_notes(self) -> str | None:
@@ -399,9 +400,10 @@ class Agent:
 
     def _drop_old_notes(self, incoming: int) -> None:
         """Drop the old notes' KV (replaced, not appended) in the compaction that makes room for the
-        `incoming` tokens about to be fed: one rewrite of the cache, not one for the notes and another
-        for the feed. It counts as the notes' work only when the feed needed no room of its own (else the
-        policy would have compacted anyway)."""
+        `incoming` tokens prefilled first (the feed's first chunk): one rewrite of the cache, not one for
+        the notes and another for the chunk, and the same tokens kept as those two would keep. It counts
+        as the notes' work only when the chunk needed no room of its own (else the policy would have
+        compacted anyway)."""
         started = time.perf_counter()
         rest = torch.nonzero(self.store.meta.turn != NOTES_TURN).flatten()
         if rest.numel() == self.store.length:
