@@ -40,11 +40,18 @@ def load_dialogues(paths: Iterable[str]) -> list[dict]:
     return dialogues
 
 
+def locate(text: str, span: str) -> int:
+    """Where an annotated span stands in the text: its first occurrence as whole words ("he" is not the
+    one inside "the"), else its first occurrence at all; -1 if absent."""
+    match = re.search(rf"(?<!\w){re.escape(span)}(?!\w)", text)
+    return match.start() if match else text.find(span)
+
+
 def gold_spans(turn: dict) -> list[Span]:
     text = turn["user"]
     out = []
     for item in turn.get("persist", []):
-        start = text.find(item["span"])
+        start = locate(text, item["span"])
         if start >= 0:
             out.append(Span(start, start + len(item["span"]), item["span"], item["type"], item["type"]))
     return out
@@ -144,7 +151,7 @@ def score_references(dialogues: list[dict], echo: Callable[[str], None] | None =
         for index, turn in enumerate(dialogue["turns"]):
             _, resolutions = graph.observe(index, turn["user"])
             for ref in turn.get("refs", []):
-                start = turn["user"].find(ref["span"])
+                start = locate(turn["user"], ref["span"])
                 mine = [r for r in resolutions if start >= 0 and r.start < start + len(ref["span"]) and start < r.start + len(r.span)]
                 right = bool(mine) and same_entity(mine[0].entity, ref["entity"])
                 turn_right = bool(mine) and mine[0].antecedent == ref["antecedent"]

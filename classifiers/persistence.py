@@ -44,6 +44,8 @@ _ORDINAL = r"\d{1,2}(?:st|nd|rd|th)"
 _STREET = ("street|st|road|rd|lane|ln|close|avenue|ave|row|way|drive|dr|court|ct|place|crescent|gardens|terrace|grove|"
            "hill|park|square|walk|mews|rise|view|parade|green|yard|wharf|boulevard|end")
 _POSTCODE = r"\b[A-Z]{1,2}\d[A-Z\d]?\s?\d[A-Z]{2}\b"  # UK shape; other countries' codes read as references
+_ORDINAL_WORDS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
+                  "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|(?:twenty|thirty)-?\\w+")
 _NUMBER_WORDS = "one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|quarter|half"
 
 VALUE_PATTERNS: list[tuple[str, str, re.Pattern]] = [  # (type, attribute, pattern); earlier wins on overlap
@@ -64,16 +66,31 @@ VALUE_PATTERNS: list[tuple[str, str, re.Pattern]] = [  # (type, attribute, patte
         rf"\b(?:(?:{_DAYS})\s+)?(?:the\s+)?(?:{_ORDINAL}|\d{{1,2}})\s+(?:of\s+)?(?:{_MONTHS})\b(?:\s+\d{{4}})?"
         rf"|\b(?:{_DAYS})\s+(?:the\s+)?{_ORDINAL}\b"
         rf"|\b(?:{_MONTHS})\s+(?:{_ORDINAL}|\d{{1,2}})\b(?:,?\s+\d{{4}})?|\b\d{{1,2}}/\d{{1,2}}(?:/\d{{2,4}})?\b"
-        rf"|\b\d{{4}}-\d{{2}}-\d{{2}}\b|\bthe\s+{_ORDINAL}\b|\b(?:next\s+|this\s+)?(?:{_DAYS})\b", re.I)),
+        rf"|\b\d{{4}}-\d{{2}}-\d{{2}}\b|\bthe\s+{_ORDINAL}\b|\b(?:{_MONTHS})\s+\d{{4}}\b"
+        rf"|\bthe\s+(?:{_ORDINAL_WORDS}|start|beginning|middle|end)\s+of\s+(?:{_MONTHS})\b", re.I)),  # a bare weekday is relative
     ("identity", "reference", re.compile(
-        r"(?<![\w@.-])(?=[A-Z0-9-]*\d)(?=[A-Z0-9-]*[A-Z])(?=[A-Z0-9 -]{5})[A-Z0-9]{1,6}(?:[- ]?[A-Z0-9]{2,8}){1,3}(?![\w@-])"
+        r"(?<![\w@.-])(?=[A-Z0-9-]*\d)(?=[A-Z0-9-]*[A-Z])(?=[A-Z0-9 -]{5})"
+        r"[A-Z0-9]{1,6}(?:-[A-Z0-9]{1,8}|\s?[A-Z0-9]{2,8}){1,3}(?![\w@-])"  # "BW-58213-K", "KL 20931"
         r"|(?<![\w@.£$€-])\d{5,}(?![\w-])|(?<![\w-])\d{3,}(?:-\d{3,})+(?![\w-])"
-        r"|(?:(?<=ending in )|(?<=[Cc]ode )|(?<=PIN )|(?<=[Cc]ode is )|(?<=PIN is ))\d{3,8}\b")),
+        r"|(?:(?<=ending )|(?<=ends )|(?<=ending in )|(?<=ends in )|(?<=[Cc]ode )|(?<=PIN )|(?<=[Cc]ode is )"
+        r"|(?<=PIN is ))\d{3,8}\b")),
 ]
 
-PROPER_NAME = re.compile(  # a capitalised name mid-sentence: a pet, a product, a medicine, a place
-    r"(?<=[a-z,;] )(?!(?:I|I'm|I'll|I've|I'd|OK|He's|She's|It's)\b)[A-Z][a-z'-]+"
-    r"(?:[ \t]+(?:[A-Z][a-z'-]+|\d+(?:\.\d+)?(?:\s?(?:mg|ml|g|kg|GB|TB|mm|cm))?))*")
+PROPER_NAME = re.compile(  # a capitalised name mid-sentence: a person, a pet, a product, a firm
+    r"(?<=[a-z,;] )(?!(?:I|I'm|I'll|I've|I'd|OK|He's|She's|It's)\b)[A-Z][a-z'-]+(?![A-Za-z])"  # not "EpiPen"
+    r"(?:[ \t]+(?:(?!(?:I|I'm|I'll|I've|I'd)\b)[A-Z][a-z'-]+(?![A-Za-z])"
+    r"|\d+(?:\.\d+)?(?:\s?(?:mg|ml|g|kg|GB|TB|mm|cm))?))*")
+# a capitalised word after these is a place, a date or a make ("in Bristol", "before Christmas", "a Skoda"), not
+# someone or something the user owns or deals with
+_NOT_NAME_BEFORE = re.compile(r"\b(?:in|to|from|at|near|around|before|after|until|till|on|the|a|an|this|that|every|"
+                              r"like|your|thanks|thank you|cheers|hi|hello|dear)\s+$", re.I)
+_OWNED = re.compile(  # unless the user owns it: "I bought the Solara keyboard"
+    r"\b(?:bought|ordered|rent|rented|have|own|booked|purchased|got)\s+(?:the|a|an)\s+$", re.I)
+_DENIED = re.compile(r"\b(?:not|rather than|instead of)\s+(?:the\s+)?$", re.I)  # "2QF, not 2QE": the wrong value
+_OPENING_NAME = re.compile(  # a sentence that opens with a name: "Brenda Callaghan, 8 Hawthorn Rise", "Tom and I"
+    r"(?:^|(?<=[.!?]\s))(?:[A-Z][a-z'-]+(?:\s+[A-Z][a-z'-]+)+(?=,|\.|\s+here\b)"
+    r"|[A-Z][a-z'-]+(?=\s+and\s+I\b|,\s+(?:a|an|my|our)\s))")
+_CALENDAR = rf"(?:(?:{_MONTHS}|{_DAYS}|christmas|easter|valentine|new|year|bank|holiday)(?:'?s)?)"
 
 # a capitalised name after a self-introduction, or the name of a named relation ("my daughter, Ellie")
 _NAME = r"[A-Z][a-z'’-]+(?:\s+(?:[A-Z][a-z'’-]+|[A-Z]\.)){0,3}"
@@ -89,23 +106,53 @@ NAME_PATTERNS = [
 _RELATION_AFTER = re.compile(r",?\s+(?i:my|our|the)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|"
                              r"father|dad|brother|sister|dog|cat|beagle|terrier|spaniel|puppy|kitten|tom|landlord|neighbour)\b")
 _NOT_NAMES = frozenset("""i im it its the a an and but so just here there sorry yes no not thanks thank please okay ok
-flat apartment unit room house number order account booking ticket code
+flat apartment unit room house number order account booking ticket code he's she's they're we're now then
 hello hi hey morning afternoon evening calling ringing writing back still sure very really about afraid glad happy
+hes shes cheers however also ooh ha oh well right
 """.split())
 
-# preference and taboo cues: a clause with one is a candidate
+# preference and taboo cues: a clause with one is a candidate. A wish is said to the agent (an imperative, "please",
+# "X is best", "never call me"); the same words describing the world ("I can't find it", "I always forget",
+# "he never checks his email") are not.
+_ACTS = ("call|ring|phone|telephone|email|e-mail|text|txt|message|contact|send|post|write|visit|use|leave|deliver|book|"
+         "put|give|share|charge|knock|bill|keep|come")
+_CHANNEL_VERBS = "call|ring|phone|telephone|email|e-mail|text|txt|message|contact|write|post|letter"
+_OPENER = r"(?:(?:please|pls|just|honestly|and|so|but|also|then|oh)\s+)*"
+_DESCRIBED_NEVER = re.compile(  # "I can never remember", "who never checks his email", "he's never sat in a car"
+    r"\b(?:i|he|she|they|we|who|it|you)(?:'s|'ve|'d|'m)?\s+(?:(?:can|could|have|has|had|just|really|almost|also|still)\s+)?"
+    r"(?:even\s+)?never\b", re.I)
+_NEVER_DID = re.compile(r"never\s+(?:even\s+)?(?:\w+(?<!s)s|\w+ed)\b", re.I)  # "my husband never checks his email"
 TABOO_CUES = re.compile(
-    r"\b(?:never|don't|do not|dont|didn't|please no|no more|not by|not on|not at|not before|not after|avoid|"
-    r"allergic|can't stand|cannot|can't|won't|hate|rather not|under no circumstances|stop (?:sending|calling|emailing)|"
-    r"no (?:calls|texts|emails|phone|letters|post|nuts|dairy|gluten))\b", re.I)
+    rf"\bnever\b|(?:^{_OPENER}|\bplease\s+)(?:don't|do not|dont)\s+(?:ever\s+)?(?:{_ACTS})\b"
+    r"|\b(?:mustn't|must not|please no|avoid|under no circumstances|allerg(?:ic|y) to|"
+    r"stop (?:sending|calling|ringing|emailing|texting|phoning))\b"
+    r"|\bnot\s+(?:to\s+)?(?:be\s+)?(?:telephoned|phoned|called|rung|contacted|emailed|disturbed|go)\b"
+    r"|^not\s+(?:before|after|during|near)\b"
+    r"|\bno\s+(?:\w+\s+){0,3}?(?:calls?|texts?|emails?|letters?|post|mail(?:ings)?|marketing|offers|visits|"
+    r"nuts|dairy|gluten|meat|pork|alcohol|shellfish|eggs)\b", re.I)
 PREFERENCE_CUES = re.compile(
-    r"\b(?:prefer|preferably|rather|call me|address me|go by|best|suits? me|works? best|would like|i'd like|"
-    r"please (?:use|send|call|text|email|write|contact|keep|put|make)|only (?:by|on|via|in)|by (?:email|text|post|phone)|"
-    r"via|always|ideally|favourite|favorite|like it|want(?:ed)? (?:it|them|a|an|the)|in (?:large print|braille)|"
-    r"only want|just (?:whatsapp|email|text|post|telegram|signal)|whatsapp|telegram|signal|viber|imessage|wechat|"
-    r"in (?-i:[A-Z][a-z]+)|"
-    r"(?:window|aisle|sea view|quiet|ground floor|vegetarian|vegan|halal|kosher))\b", re.I)
-_CLAUSE = re.compile(r"[^.!?;:,()\n—–]+")
+    r"\b(?:prefer(?:ably|red|s)?|rather than|"
+    r"(?:call me|address me as|go by|known as)\s+(?:(?:mr|mrs|ms|miss|dr)\.?\s+)?(?-i:[A-Z])|"
+    r"(?:is|are|'s|works?|suits?(?: (?:me|us))?)\s+best|best (?:way|time|number|days?|for (?:me|us))|"
+    r"(?:would be|is|are|'s) (?:ideal|better for (?:me|us)|much better)|ideally|suits? (?:me|us)|"
+    rf"please (?:always\s+)?(?:{_CHANNEL_VERBS}|use|send|keep|knock|bill|deliver)|"
+    r"(?:please\s+)?always (?:ask|call|ring|text|email|send|use|check|contact)|"
+    rf"only (?:by|on|via)|\b(?:{_CHANNEL_VERBS})s? only|by (?:email|e-mail|text|sms|post|phone|letter)|"
+    r"in (?:large print|braille)|only want|"
+    r"just (?:whatsapp|email|text|post|telegram|signal)|whatsapp|telegram|signal|viber|imessage|wechat|"
+    r"(?:letters?|written|correspondence|documents?|speak|language)\b.*\bin (?-i:[A-Z][a-z]+)|"
+    r"window|aisle|sea view|quiet|ground floor|vegetarian|vegan|halal|kosher|gluten-free)\b", re.I)
+_IMPERATIVE = re.compile(rf"^{_OPENER}(?:{_CHANNEL_VERBS})\s+(?:me|him|her|us)\b", re.I)  # "text me", "Ring him"
+_CHANNEL_CONTRAST = re.compile(  # "Texts, not calls", "use email not text", "a letter first, then a call"
+    rf"\b(?:{_CHANNEL_VERBS})(?:s| message)?(?:,?\s+not\s+(?:by\s+)?|\s+first,?\s+then\s+(?:a\s+)?)"
+    rf"(?:{_CHANNEL_VERBS})s?\b", re.I)
+_POLITE_REQUEST = re.compile(  # a short answer with "please": "Shoe covers, please", "manual please"
+    r"(?:^|(?<=[.!?:]\s))(?:(?:if possible|no|ok|okay),?\s+)?(?!(?:yes|yeah|thanks|thank)\b)"
+    r"((?:[\w'-]+\s+){0,3}[\w'-]+),?\s+(?:please|pls)(?=\s*[.!]|\s*$)", re.I)
+_RECALL_QUESTION = re.compile(r"\b(?:what|which|where|when|who|how|did i|have i|remind me|i (?:said|told))\b", re.I)
+# "if he must call me": not the wish itself (a longer one is a run-on sentence that goes on to the wish)
+_CONDITION = re.compile(r"^(?:if|when|whether|what if|in case)\b", re.I)
+_CLAUSE = re.compile(r"(?:[^.!?;:,()\n—–]|[.,:](?=\w))+")  # "jo.bell@example.org", "£1,850" stay whole
 _LEADING = re.compile(r"^(?:and|but|or|so|also|then)\s+", re.I)
 
 
@@ -152,14 +199,21 @@ def value_spans(text: str) -> list[Span]:
                 end = start + len(" ".join(words))
                 related = index > 0 or _RELATION_AFTER.match(text[end:])  # "It's Biscuit, my beagle"
                 add(start, end, "identity", "related name" if related else "name")
-    for match in PROPER_NAME.finditer(text):
+    for match in (*_OPENING_NAME.finditer(text), *PROPER_NAME.finditer(text)):
         words = match.group(0).split()
-        while words and re.fullmatch(rf"(?i:{_MONTHS}|{_DAYS}|{_DAYS[:-1]}?s?)\W*", words[0]):
+        while words and (re.fullmatch(rf"(?i:{_CALENDAR})\W*", words[0]) or _plain(words[0]) in _NOT_NAMES):
             words.pop(0)
-        if words:
+        before = text[max(0, match.start() - 30):match.start()]
+        stripped = len(words) < len(match.group(0).split())  # "Easter Monday Lego": what came before was a date
+        if words and (stripped or not _NOT_NAME_BEFORE.search(before) or _OWNED.search(before)):
             start = match.start() + match.group(0).index(words[0])
             add(start, start + len(" ".join(words)), "identity", "proper name")
-    return sorted(found, key=lambda s: s.start)
+    return sorted((s for s in found if not _DENIED.search(text[max(0, s.start - 20):s.start])), key=lambda s: s.start)
+
+
+def _plain(word: str) -> str:
+    """A word as _NOT_NAMES lists it: lower case, no apostrophes ("I'm" -> "im")."""
+    return re.sub(r"['’]", "", word.lower())
 
 
 _QUALIFIERS = re.compile(
@@ -178,15 +232,39 @@ def refine(text: str, start: int, attribute: str) -> str:
 
 
 def cue_clauses(text: str) -> list[tuple[int, int, str]]:
-    """Clauses with a preference or taboo cue, as (start, end, type by the cue rules)."""
+    """Clauses with a preference or taboo cue, as (start, end, type by the cue rules); none from a question
+    about what was said ("when did I say not to call?") or from an if-clause."""
     out = []
     for start, end in _clauses(text):
         clause = text[start:end]
-        if TABOO_CUES.search(clause):
+        if (_CONDITION.match(clause) and len(clause.split()) <= 12) or _recall_question(text, start, end):
+            continue
+        if _taboo_cue(clause):
             out.append((start, end, "taboo"))
-        elif PREFERENCE_CUES.search(clause):
+        elif PREFERENCE_CUES.search(clause) or _IMPERATIVE.match(clause):
             out.append((start, end, "preference"))
-    return out
+    for pattern in (_CHANNEL_CONTRAST, _POLITE_REQUEST):
+        for match in pattern.finditer(text):
+            start, end = match.span(match.lastindex or 0)
+            if not any(start < e and s < end for s, e, _ in out):
+                out.append((start, end, "preference"))
+    return sorted(out)
+
+
+def _taboo_cue(clause: str) -> bool:
+    """Whether a taboo cue in the clause is a wish: a "never" that describes someone ("who never checks his
+    email") is not."""
+    return any(m.group(0).lower() != "never" or not (_DESCRIBED_NEVER.search(clause[:m.end()])
+                                                     or _NEVER_DID.match(clause, m.start()))
+               for m in TABOO_CUES.finditer(clause))
+
+
+def _recall_question(text: str, start: int, end: int) -> bool:
+    """Whether the clause is in a question that asks the agent something ("which email did I give you?")."""
+    sentence_start = max(text.rfind(mark, 0, start) for mark in ".!?\n") + 1
+    stop = re.search(r"[.!?\n]", text[end:])
+    sentence = text[sentence_start:end + (stop.end() if stop else 0)]
+    return sentence.rstrip().endswith("?") and bool(_RECALL_QUESTION.search(sentence))
 
 
 def clause_features(clause: str) -> str:
@@ -270,16 +348,19 @@ class PersistenceMarker:
         spans = value_spans(text)
         candidates = cue_clauses(text)
         verdicts = self.model.predict([text[s:e] for s, e, _ in candidates]) if self.model else [t for *_, t in candidates]
-        for (start, end, _), verdict in zip(candidates, verdicts):
-            if verdict in ("preference", "taboo"):
-                spans.append(Span(start, end, text[start:end], verdict, channel(text[start:end]) or verdict))
-        return sorted(spans, key=lambda s: (s.start, -s.end))
+        wishes = [Span(start, end, text[start:end], verdict, channel(text[start:end]) or verdict)
+                  for (start, end, _), verdict in zip(candidates, verdicts) if verdict in ("preference", "taboo")]
+        # a time inside a wish is part of it ("never before 10am"), not an appointment
+        spans = [s for s in spans if s.attribute != "time" or not any(s.overlaps(w) for w in wishes)]
+        wishes = [w for w in wishes if not _gives_value(w, spans)]
+        return sorted(spans + wishes, key=lambda s: (s.start, -s.end))
 
     def mark_dialogue(self, texts: list[str]) -> list[list[Span]]:
         """Each user turn's spans, a value only where the dialogue first states it: a name, number or date
         mentioned again is not a new fact to keep (the annotated dialogues mark a value once, where it is
         first given). Preferences and taboos are clauses, kept wherever they are said."""
         seen: set[str] = set()
+        said = ""  # the dialogue so far: a value in it was stated before, marked or not ("like Admiral")
         out = []
         for text in texts:
             spans = []
@@ -288,13 +369,22 @@ class PersistenceMarker:
                     spans.append(span)
                     continue
                 key = _value_key(span.text)
-                if key not in seen:
+                if key not in seen and not re.search(rf"(?<!\w){re.escape(key)}(?!\w)", said):
                     spans.append(span)
                 seen.add(key)
                 if span.attribute in ("name", "related name", "proper name"):  # "Freya" after "Freya Moreau"
                     seen.update(key.split())
             out.append(spans)
+            said += text.lower() + "\n"
         return out
+
+
+def _gives_value(wish: Span, values: list[Span]) -> bool:
+    """Whether a preference clause only hands over a value ("Please use sam@example.org", "Card ending 9026,
+    please"): the value's span keeps it."""
+    inside = [v for v in values if wish.start <= v.start and v.end <= wish.end]
+    rest = len(wish.text.split()) - sum(len(v.text.split()) for v in inside)
+    return wish.type == "preference" and bool(inside) and rest <= 5
 
 
 def _value_key(value: str) -> str:

@@ -8,9 +8,11 @@ points to: a networkx graph, built by rules (no parser model is available offlin
   correction ("it's 2QF, not 2QE"; "we moved, we're at ... now") closes the old fact's validity and keeps
   it, marked superseded, so what the user said before stays queryable.
 - Coreference: a pronoun, "that one", "the other address" or "my daughter" in a new turn resolves to the
-  most salient earlier entity compatible with it (a person for "she", a place for "there", an entity of
-  that head noun for "the other address"), and names the turn where that entity was last mentioned,
-  which is what the long-term memory brings back."""
+  most salient earlier entity compatible with it (a person of that gender for "she", a thing for "it", a
+  place for "there", an entity that goes by the phrase's head noun for "the other address", the person
+  named with that relation for "my daughter"), and names the turn where that entity was last named
+  (not just referred to), which is what the long-term memory brings back. Salience decays fast with
+  the turns gone by: most references point one turn back."""
 
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ from classifiers.persistence import PersistenceMarker, Span, value_spans
 from classifiers.topics import STOPWORDS
 
 USER = "user"
-DECAY = 0.7  # salience kept per turn gone by
-_APPOSITION = re.compile(r"[\s,]*(?:(?:is|was|called|named|who is|,)\s*)?", re.I)  # between a phrase and its name
-ROLE_WEIGHT = {"user": 1.0, "assistant": 0.6}
+DECAY = 0.2  # salience kept per turn gone by
+_APPOSITION = re.compile(r"[\s,]*(?:(?:is|was|will be|called|named|who is|,|:)\s*)?", re.I)  # between a phrase and its name
+ROLE_WEIGHT = {"user": 1.0, "assistant": 1.0}
+DENIED = 0.2  # what a mention weighs when the text says it is not the one ("..., not 37 Larch Close")
+REFERRED = 0.5  # what a mention by reference weighs ("it", "the boiler")
+LATE = 0.5  # how much more a mention at the end of a text weighs than one at its start: the latest is likeliest
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Entity:
     kind: str  # person, pet, thing, place, code, address, contact, date, amount, name (unknown: person or thing)
     head: str  # head noun ("address", "parcel") or the name's last word
     relation: str | None = None  # "daughter" for "my daughter Ellie"
+    gender: str | None = None  # "female" for "Esme, she's 9": from a relation or the pronoun that follows the name
     aliases: set[str] = field(default_factory=set)  # head nouns it was named with: "boiler" for "the boiler, a Thermara"
     mentions: list[tuple[int, float]] = field(default_factory=list)  # (turn, weight)
 
@@ -76,17 +82,30 @@ class Entity:
     def last(self) -> int:
         return self.mentions[-1][0]
 
+    def words(self) -> set[str]:
+        """What a definite phrase can name it by: its name's words, the nouns it was named with, its kind's
+        nouns, its relation ("the dog" is Biscuit)."""
+        stamp = (self.kind, self.relation, len(self.aliases))  # what they come from (the key never changes)
+        if getattr(self, "_words", (None,))[0] != stamp:  # cached: asked for every reference of every turn
+            kind = ("email" if "@" in self.name else "phone") if self.kind == "contact" else self.kind
+            nouns = (*self.key.split(), self.head, *self.aliases, *_KIND_NOUNS.get(kind, ()),
+                     *([self.relation] * (self.relation != SELF)))
+            self._words = (stamp, {_stem(w) for w in nouns if w})
+        return self._words[1]
+
 
 # --- references --------------------------------------------------------------------------------------
-PERSONAL = {"he": "male", "him": "male", "his": "male", "himself": "male",
-            "she": "female", "her": "female", "hers": "female", "herself": "female"}
+PERSONAL = {"he": "male", "him": "male", "his": "male", "himself": "male", "hes": "male",  # "hes" typed for "he's"
+            "she": "female", "her": "female", "hers": "female", "herself": "female", "shes": "female"}
 THING = ("it", "its", "itself")
 PLURAL = ("they", "them", "their", "theirs", "those", "these")
 PLACE = ("there",)
 RELATIONS = ("son", "daughter", "wife", "husband", "partner", "mother", "mum", "mom", "father", "dad", "brother",
              "sister", "grandson", "granddaughter", "grandma", "grandad", "landlord", "landlady", "neighbour",
              "neighbor", "colleague", "boss", "friend", "child", "kid", "kids", "children", "baby", "tenant",
-             "flatmate", "girlfriend", "boyfriend", "fiance", "fiancee", "nephew", "niece", "aunt", "uncle")
+             "flatmate", "girlfriend", "boyfriend", "fiance", "fiancee", "fiancé", "fiancée", "nephew", "niece", "aunt",
+             "uncle", "grandmother", "grandfather", "nan", "stepson", "stepdaughter", "housemate", "cofounder",
+             "co-founder", "accountant", "solicitor", "carer", "childminder")
 PEOPLE_NOUNS = RELATIONS + ("engineer", "driver", "technician", "courier", "doctor", "vet", "nurse", "agent",
                             "manager", "plumber", "electrician", "receptionist", "dentist", "pharmacist",
                             "advisor", "adviser", "man", "woman", "lady", "guy", "person", "owner", "tutor")
@@ -96,19 +115,28 @@ FEMALE_RELATIONS = ("daughter", "wife", "mother", "mum", "mom", "sister", "grand
                     "girlfriend", "fiancee", "niece", "aunt")
 MALE_RELATIONS = ("son", "husband", "father", "dad", "brother", "grandson", "grandad", "landlord", "boyfriend",
                   "fiance", "nephew", "uncle")
+PLURAL_PEOPLE = ("kids", "children", "parents", "family", "people", "team", "staff")
 SELF = "self"  # the relation of the name a user introduces themselves with
+PARENTS = ("mum", "mom", "dad", "mother", "father", "grandma", "grandad", "nan")  # said bare, like a name: "Dad's"
+_RELATION = rf"(?:{'|'.join(RELATIONS)})(?:-in-law)?"
 DETERMINERS = r"the|my|our|your|his|her|their|this|that|these|those"
 _REFERENCE = re.compile(
-    rf"\b(?:(?P<dem>(?:that|this) one|the other one|the (?:first|second|last|latter|former) one)"
+    rf"\b(?:(?P<one>(?:that|this|the)\s+(?:(?P<one_mod>[\w\"'-]+)\s+)?one)(?![\w-])"
     rf"|(?P<other>the other (?P<other_head>[a-z]+))"
-    rf"|(?P<rel>(?:my|our) (?P<rel_head>{'|'.join(RELATIONS)}))"
-    rf"|(?P<def>(?:the|that|this) (?P<def_head>[a-z]+))"
+    rf"|(?P<rel>(?:(?:my|our) {_RELATION}|(?:{'|'.join(PARENTS)}))(?:'?s)?)\b"
+    rf"|(?P<def>(?:the|that|this|those|these|my|our|your) (?P<def_head>[£$€]?[a-z0-9]+))"
     rf"|(?P<pro>{'|'.join(list(PERSONAL) + list(THING) + list(PLURAL) + list(PLACE))}|that|this))\b", re.I)
-_NOUN_PHRASE = re.compile(rf"\b(?:{DETERMINERS}|a|an)\s+((?:[a-z][a-z-]+\s+){{0,2}}[a-z][a-z-]+)", re.I)
+Found = tuple[str, str, str, str | None, int, int, bool]  # name, kind, head, relation, start, end, proper
+Want = tuple[str, tuple[str, ...]]  # how to match ("pronoun", "relation", "phrase", "given", "other", "one"), its words
+_NOUN_PHRASE = re.compile(  # after a determiner or a possessive ("the council's approval letter")
+    rf"\b(?:{DETERMINERS}|a|an|some|any|another|both|each|every|(?!(?:it|that|there|here|what|who|he|she|let|where)'s)"
+    rf"[a-z]+'s)\s+((?:[a-z][a-z-]+\s+){{0,2}}[a-z][a-z-]+)", re.I)
 _CAPITALISED = re.compile(r"\b[A-Z][a-zA-Z'’-]+(?:\s+(?:[A-Z][a-zA-Z'’-]+|\d[\w.]*(?:\s?(?:mg|ml|g|kg|cm|mm|GB|TB))?))*")
 _NOT_THINGS = frozenset("""one other same way time thing things lot bit moment end week day month year morning afternoon
 evening night today tomorrow yesterday problem issue question answer help thanks chance point case while rest meantime
-fact idea sort kind number details detail info information system number world place phone call line chat""".split())
+fact idea sort kind number details detail info information system number world place phone call line chat new old
+different bad big small little important damaged broken front back first second third last next best cheapest
+earliest latest""".split())
 _CONTENT = re.compile(r"[a-z0-9]+")
 
 # corrections: a turn with one of these supersedes earlier facts of the same attribute
@@ -142,15 +170,15 @@ class EntityGraph:
         """A user turn: resolve its references against earlier turns first, then record its mentions
         and facts. Returns the persistent spans marked and the resolutions."""
         text = text.replace("\u2019", "'")
-        resolutions = self.resolve(turn, text)
+        resolved = self.resolve(turn, text)
         spans = self.marker.mark(text)
         self._mention(turn, text, "user", spans)
-        for resolution in resolutions:  # a referent is mentioned again
-            self.entities[_key(resolution.entity)].mentions.append((turn, 0.8))
-            self.graph.add_edge(f"turn:{turn}", f"entity:{_key(resolution.entity)}", kind="refers", span=resolution.span)
+        for resolution, entity in resolved:  # a referent is mentioned again (but not named: not an antecedent)
+            entity.mentions.append((turn, REFERRED))
+            self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="refers", span=resolution.span)
         self._facts(turn, text, spans)
-        self.resolutions[turn] = resolutions
-        return spans, resolutions
+        self.resolutions[turn] = [resolution for resolution, _ in resolved]
+        return spans, self.resolutions[turn]
 
     def mention(self, turn: int, text: str) -> None:
         """A reply: its named entities gain salience (replies name what "it" will refer to)."""
@@ -158,61 +186,101 @@ class EntityGraph:
         self._mention(turn, text, "assistant", value_spans(text))  # a reply's cue clauses are not the user's wishes
 
     def _mention(self, turn: int, text: str, role: str, spans: list[Span]) -> None:
+        """Record the entities a text names; a mention weighs more the later it comes in the text, and
+        little when the text denies it."""
         self.graph.add_node(f"turn:{turn}", kind="turn", turn=turn)
-        weight = ROLE_WEIGHT[role]
-        found: list[tuple[str, str, str, str | None]] = []  # name, kind, head, relation
-        taken: list[tuple[int, int]] = []
+        node = self.graph.nodes[f"turn:{turn}"]
+        node["text"] = f"{node.get('text', '')} {_key(text)} "  # its words, to find where an entity was last named
+        named: list[tuple[Entity, int, int]] = []
         nouns: list[tuple[str, int, int]] = []  # head nouns of noun phrases, with where they were
+        denied = [(m.start(1), m.end(1)) for m in _NOT_VALUE.finditer(text)]  # "70 Poplar Lane, not 37 Larch Close"
+        for name, kind, head, relation, start, end, proper in self._found(text, role, spans, node["text"]):
+            entity = self._entity(name, kind, head, relation)
+            weight = ROLE_WEIGHT[role] * (1 + LATE * start / len(text)) * (DENIED if _inside(start, end, denied) else 1)
+            entity.mentions.append((turn, weight))
+            self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="mentions", role=role, turn=turn)
+            if not proper:
+                nouns.append((head, start, end))
+            elif kind not in ("date", "amount", "contact", "address"):
+                named.append((entity, start, end))
+        self._link(text, named, nouns)
+
+    def _found(self, text: str, role: str, spans: list[Span], said: str) -> list[Found]:
+        """(name, kind, head, relation, start, end, proper) of the values, names and noun phrases of a text;
+        `said` is the turn's words so far, where a reply's name may have come with its relation ("my brother
+        reece" typed, "Reece" in the reply)."""
+        found = []
         for span in spans:
             if span.type in ("preference", "taboo"):
                 continue
             named = span.attribute in ("name", "related name")
             kind = {"identity": "person" if named else "name" if span.attribute == "proper name" else "code"}.get(
                 span.type, span.type)
-            relation = _relation_near(text, span.start, span.end) if kind == "person" else None
-            if relation is None and role == "user" and span.type == "identity" and span.attribute == "name":
+            relation = _relation_of(text, span.start, span.end, said) if kind in ("person", "name") else None
+            if relation is None and role == "user" and span.attribute == "name" and not _THEIR_NAME.search(
+                    text[:span.start]):
                 relation = SELF  # "I'm Maureen Pettigrew": the user, never "he" or "she" in their own words
-            if relation in PETS:
-                kind = "pet"
+            kind = "pet" if relation in PETS else "person" if relation or span.text.split()[0].lower() in _TITLES else kind
             head = span.text.split()[0].lower() if kind in ("person", "name") else span.attribute.split()[0]
-            found.append((span.text, kind, head, relation))
-            taken.append((span.start, span.end))
-        for match in _CAPITALISED.finditer(text):
-            if _inside(match.start(), match.end(), taken) or _sentence_start_word(text, match):
-                continue
-            name = match.group(0)
-            found.append((name, "name", name.split()[0].lower(), None))
-            taken.append((match.start(), match.end()))
+            found.append((span.text, kind, head, relation, span.start, span.end, True))
+        for start, end, kind in self._names(text, role):
+            if not _inside(start, end, [f[4:6] for f in found]):
+                name = text[start:end]
+                relation = _relation_of(text, start, end, said) if kind in ("name", "person") else None
+                kind = "pet" if relation in PETS else "person" if relation else kind
+                thing = kind == "thing"  # "The Salt Path", "GP": named like a noun ("Her GP is Dr Anand")
+                found.append((name, kind, name.split()[-1 if thing else 0].lower(), relation, start, end, not thing))
         for match in _NOUN_PHRASE.finditer(text):
-            words = _phrase(match.group(1).lower().split())
-            end = match.start(1) + len(" ".join(match.group(1).split()[:len(words)]))
-            if not words or words[-1] in _NOT_THINGS or _inside(match.start(1), end, taken):
-                continue
-            head = words[-1]
-            kind = "pet" if head in PETS else "person" if head in PEOPLE_NOUNS else "thing"
-            found.append((" ".join(words), kind, head, head if head in RELATIONS else None))
-            nouns.append((head, match.start(1), end))
-        named = []
-        for (name, kind, head, relation), (start, end) in zip(found, taken + [(-1, -1)] * len(found)):
-            entity = self._entity(name, kind, head, relation)
-            entity.mentions.append((turn, weight))
-            self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="mentions", role=role, turn=turn)
-            if start >= 0 and kind not in ("date", "amount", "contact", "address"):
-                named.append((entity, start, end))
-        for head, start, end in nouns:  # "the engineer, Kieran" / "my landlord Martin": the phrase names him
+            words, end = _phrase_at(text, match.start(1), 4)
+            words = words[-2:]  # "the thin black emergency hose": the emergency hose
+            start = end - len(" ".join(words))
+            if words and not _inside(start, end, [f[4:6] for f in found]):
+                head = words[-1]
+                kind = "pet" if head in PETS else "person" if head in PEOPLE_NOUNS else "thing"
+                found.append((" ".join(words), kind, head, head if head in RELATIONS else None, start, end, False))
+        return found
+
+    def _link(self, text: str, named: list[tuple[Entity, int, int]], nouns: list[tuple[str, int, int]]) -> None:
+        """What a text says about the names in it: the nouns they are called by ("claim CLM-77120", "the
+        engineer, Kieran"), the relation a name is introduced with ("My mother-in-law is coming. Dorothy
+        Keane, 71"; "My husband ... His name is Tomasz"), and a gender from the pronoun that follows."""
+        _learn_genders(text, named)
+        for entity, start, _ in named:
+            entity.aliases.update(_lead_nouns(text, start))
+            if entity.kind in ("name", "person") and entity.relation is None and _THEIR_NAME.search(text[:start]):
+                self._name_relation(entity, _THEIR_NAME.search(text[:start]).group(1).lower())
+        for head, start, end in nouns:
             for entity, name_start, name_end in named:
                 between = text[end:name_start] if name_start >= end else text[name_end:start]
-                if len(between) < 20 and _APPOSITION.fullmatch(between):
+                compound = name_start < end and not between.strip()  # "a Brightwater warranty" is no Brightwater
+                if len(between) < 20 and _APPOSITION.fullmatch(between) and not compound:
                     entity.aliases.add(head)
                     self.graph.add_edge(f"entity:{entity.key}", f"entity:{_key(head)}", kind="alias")
+            following = min(((s, e) for e, s, _ in named if s >= end and e.kind in ("name", "person")), default=None,
+                            key=lambda se: se[0])
+            if re.fullmatch(_RELATION, head) and following and _NEXT_SENTENCE.fullmatch(text[end:following[0]]):
+                self._name_relation(following[1], head)
+
+    def _name_relation(self, entity: Entity, relation: str) -> None:
+        """The name is the user's `relation` ("his" / "her": the latest relation of that gender said bare and
+        not yet named)."""
+        if relation in ("his", "her"):
+            gender = "male" if relation == "his" else "female"
+            held = {e.relation for e in self.entities.values() if e.key != e.relation}
+            bare = [e for e in self.entities.values() if e.key == e.relation and e.relation not in held
+                    and _gender(e) == gender]
+            if not bare:
+                return
+            relation = max(bare, key=lambda e: e.last).relation
+        if entity.relation is None:
+            entity.relation, entity.kind = relation, "person"
+            self.graph.add_edge(USER, f"entity:{entity.key}", kind="relation", relation=relation)
 
     def _entity(self, name: str, kind: str, head: str, relation: str | None) -> Entity:
+        name = name.removesuffix("'s") if kind in ("name", "person") else name  # "Dev's" is Dev
         key = _key(name)
-        entity = self.entities.get(key)
+        entity = self.entities.get(key) or self._same_person(key, kind)
         if entity is None:
-            if relation is None and kind in ("name", "person") and any(  # "Maureen" after "I'm Maureen Pettigrew"
-                    e.relation == SELF and set(key.split()) < set(e.key.split()) for e in self.entities.values()):
-                relation = SELF
             entity = self.entities[key] = Entity(key, name, kind, head, relation)
             self.graph.add_node(f"entity:{key}", kind=kind, name=name)
         else:
@@ -221,8 +289,42 @@ class EntityGraph:
                 entity.kind = kind
             entity.relation = entity.relation or relation
         if relation:  # "my daughter Ellie": the relation noun now means Ellie
-            self.graph.add_edge(USER, f"entity:{key}", kind="relation", relation=relation)
+            self.graph.add_edge(USER, f"entity:{entity.key}", kind="relation", relation=relation)
         return entity
+
+    def _same_person(self, key: str, kind: str) -> Entity | None:
+        """The entity a name is part of, or that is part of it: "Kieran" after "Kieran Doyle", "Mr Osei"
+        after "Osei", "Maureen" after "I'm Maureen Pettigrew"."""
+        words = set(key.split()) - _TITLES
+        if kind not in ("name", "person") or not words:
+            return None
+        return next((e for e in reversed(self.entities.values()) if e.kind in ("name", "person")
+                     and (words < (known := set(e.key.split())) or 0 < len(known) < len(words) and known < words)), None)
+
+    def _names(self, text: str, role: str) -> list[tuple[int, int, str]]:
+        """Capitalised names (start, end, kind), without the words that are capitalised only because a
+        sentence starts with them ("Thanks", "It's"), a reply's labels ("Updated:") or possessive "'s";
+        "Mr Osei" is a person, "The Salt Path" a thing, "Thursday" a date."""
+        out = []
+        for match in _CAPITALISED.finditer(text):
+            start, words = match.start(), [_CLITIC.sub("", w) for w in match.group(0).split()]
+            while words and (words[0].lower() in STOPWORDS or words[0].lower() in _COMMON_STARTS) and words[0] != "The":
+                start = text.index(words[1], start + len(words[0])) if len(words) > 1 else start
+                words = words[1:]
+            if not words or not words[0][0].isupper() or words[0] == "The" and len(words) == 1:
+                continue
+            end = start + len(" ".join(words)) if len(words) > 1 else start + len(words[0])
+            first, last, label = words[0].lower(), words[-1].lower(), text[end:end + 1] == ":"
+            speaker = label and role == "user" and not text[:start].strip(" *-")  # "Helen: can I ..."
+            if len(words) == 1 and (label and not speaker or _at_sentence_start(text, start) and not label
+                                    and first not in self.entities and not self._same_person(first, "name")):
+                continue  # "Updated:", "Company:"; "Perfect." (but a known name, or a speaker's "Helen:", stays)
+            kind = ("date" if first.removesuffix("s") in _CALENDAR else "person" if first in _TITLES or speaker else
+                    "thing" if first == "the" or words[0].isupper() and len(words[0]) > 1 or last in _ORGANISATIONS
+                    or any(c.isdigit() for c in match.group(0)) else  # "The Salt Path", "MOT", "Care 5", "Labs Ltd"
+                    "place" if last in _STREETS or _LOCATIVE.search(text[max(0, start - 8):start]) else "name")
+            out.append((start, end, kind))
+        return out
 
     def _facts(self, turn: int, text: str, spans: list[Span]) -> None:
         """Record the turn's facts. In a correcting turn, a piece replaces the piece it denies ("2QF, not
@@ -278,58 +380,90 @@ class EntityGraph:
                             invalid_from_turn=fact.invalid_from_turn)
 
     # --- reading -------------------------------------------------------------------------------
-    def resolve(self, turn: int, text: str) -> list[Resolution]:
-        """The references of a turn, each resolved to the most salient compatible entity of earlier turns."""
+    def resolve(self, turn: int, text: str) -> list[tuple[Resolution, Entity]]:
+        """The references of a turn, each with the most salient compatible entity of earlier turns."""
         out = []
+        earlier = [(e, e.words()) for e in self.entities.values() if e.mentions[0][0] < turn]
+        names = [(start, text[start:end]) for start, end, kind in self._names(text, "user")
+                 if kind in ("name", "person")]
         for match in _REFERENCE.finditer(text):
-            if match.group("dem"):
-                kind, want = "demonstrative", None
-            elif match.group("other"):
-                kind, want = "definite", ("other", match.group("other_head").lower())
-            elif match.group("rel"):
-                kind, want = "relational", ("relation", match.group("rel_head").lower())
-            elif match.group("def"):
-                head = match.group("def_head").lower()
-                if head in STOPWORDS or head in _NOT_THINGS or not self._by_head(head, turn):
-                    continue
-                kind, want = ("demonstrative" if match.group(0).lower().startswith(("that", "this")) else "definite",
-                              ("head", head))
-            else:
-                word = match.group("pro").lower()
-                if word in ("that", "this") and not _DEMONSTRATIVE_PRONOUN.match(text[match.end():]):
-                    continue  # a conjunction or a determiner ("so that we", "that day"), not a reference
-                kind, want = "pronoun", ("pronoun", word)
-            entity = self._best(turn, want)
-            if entity is not None:
-                out.append(Resolution(match.group(0), match.start(), kind, entity.name, _last_before(entity, turn)))
+            reference = _reference(match, text)
+            if reference is None:
+                continue
+            kind, end, want = reference
+            here = self._named_here(text, names, match.start(), want)
+            if here is False:
+                continue  # "And Poppy, does she ...": she is the Poppy just named, none of the earlier turns' people
+            found = here or self._named_after(text, end, want) or _chained(out, want) or self._best(turn, want, earlier)
+            if found:
+                entity, used = found
+                if used < len(want[1]):  # "the engineer call first": the phrase that matched is "the engineer"
+                    end = _words_end(text, match.end() - len(match.group(0).split()[-1]), used)
+                out.append((Resolution(text[match.start():end], match.start(), kind, entity.name,
+                                       self._antecedent(entity, turn)), entity))
         return out
 
-    def _best(self, turn: int, want: tuple[str, str] | None) -> Entity | None:
-        candidates = [e for e in self.entities.values() if any(t < turn for t, _ in e.mentions)]
-        if want is None or want[0] == "pronoun":
-            word = want[1] if want else "it"
-            candidates = [e for e in candidates if _compatible(e, word)]
-        elif want[0] == "relation":
-            related = [e for e in candidates if (e.relation == want[1] or want[1] in e.aliases) and e.kind != "thing"]
-            named = [e for e in related if e.key != _key(want[1]) and not e.name.lower().endswith(want[1])]
-            candidates = named or related or [e for e in candidates if e.head == want[1]]  # Reece, not "brother"
-        elif want[0] == "head":
-            candidates = self._by_head(want[1], turn)
-            named = [e for e in candidates if want[1] in e.aliases or e.head != want[1]]
-            candidates = named or candidates  # "the boiler" is the Thermara Combi 30 it was named as
-        else:  # "the other X": an X that is not the most salient one
-            same = sorted(self._by_head(want[1], turn), key=lambda e: -e.salience(turn - 1))
-            candidates = same[1:] if len(same) > 1 else same
-        if not candidates:
+    def _named_here(self, text: str, names: list[tuple[int, str]], at: int,
+                    want: Want) -> tuple[Entity, int] | bool | None:
+        """For a subject "he" or "she", the name its own turn gave just before it (in its sentence or the one
+        before): that person, or False when the name is new (nothing earlier to resolve to); None when there is
+        none or it does not fit."""
+        if want[0] != "pronoun" or want[1][0] not in ("he", "she", "hes", "shes"):  # "her", "him" are seldom the name's
             return None
-        word = want[1] if want and want[0] == "pronoun" else None
-        return max(candidates, key=lambda e: (e.salience(turn - 1) * _prior(e, word), e.last))
+        start, name = max(((s, n) for s, n in names if s < at), default=(-1, ""))
+        if start < 0 or not _NEAR.fullmatch(text[start:at]):
+            return None
+        entity = self.entities.get(_key(name)) or self._same_person(_key(name), "name")
+        if entity is None:
+            return False
+        return (entity, 1) if _compatible(entity, want[1][0]) else None
 
-    def _by_head(self, head: str, turn: int) -> list[Entity]:
-        stem = head.rstrip("s")
-        return [e for e in self.entities.values() if any(t < turn for t, _ in e.mentions)
-                and (e.head.rstrip("s") == stem or stem in {a.rstrip("s") for a in e.aliases} or (e.kind in ("address", "contact", "code", "date", "amount")
-                                                     and stem in (e.kind, *_KIND_NOUNS.get(e.kind, ()))))]
+    def _named_after(self, text: str, end: int, want: Want) -> tuple[Entity, int] | None:
+        """A relation named on the spot ("my fiancé is Dev Malhotra", "my brother Reece"): that person, when
+        known from earlier turns."""
+        name = _NAME_AFTER.match(text[end:]) if want[0] == "relation" else None
+        key = name and _key(name.group(1))
+        entity = key and (self.entities.get(key) or self._same_person(key, "name"))
+        return (entity, 1) if entity else None
+
+    def _antecedent(self, entity: Entity, turn: int) -> int:
+        """The latest earlier turn whose text names the entity (a pronoun or "the X" does not name it): what
+        long-term memory re-injects. A person is named by any one of their names ("Kieran" for Kieran Doyle)."""
+        names = [w for w in entity.key.split() if w not in _TITLES] if entity.kind in ("person", "name") else [entity.key]
+        for earlier in range(turn - 1, -1, -1):
+            text = self.graph.nodes[f"turn:{earlier}"].get("text", "") if f"turn:{earlier}" in self.graph else ""
+            if any(f" {name} " in text for name in names):
+                return earlier
+        return max(t for t, _ in entity.mentions if t < turn)
+
+    def _best(self, turn: int, want: Want, earlier: list[tuple[Entity, set[str]]]) -> tuple[Entity, int] | None:
+        """The best of the earlier entities (with the words they go by) for what a reference wants: how well
+        it matches first, then salience; with how many of a phrase's words it matched ("the claim" of
+        "the claim cover")."""
+        how, value = want
+        used = len(value)
+        candidates = [e for e, _ in earlier]
+        if how == "pronoun":
+            scored = [(1, e) for e in _named_instead(candidates) if _compatible(e, value[0])]
+        elif how == "relation":
+            scored = _related(candidates, value[0])
+        else:  # a phrase ("the eye test"), "the other address", "the broken one"; "the claim cover" may end in a verb
+            if how == "given":  # "the code I gave you": one the user named
+                said = {v for _, v, d in self.graph.edges(data=True) if d.get("role") == "user"}
+                earlier = [(e, words) for e, words in earlier if f"entity:{e.key}" in said]
+            stems = [_stem(w) for w in value]
+            used, scored = next(((n, found) for n in range(len(stems), 0, -1) if (found := [
+                (m, e) for e, words in earlier if (m := _matches(e, words, stems[:n], how != "one"))])), (used, []))
+            if not scored and (how == "one" or not value):  # "that one", "the other one": a thing
+                scored = [(1, e) for e in candidates if _compatible(e, "it")]
+        if not scored:
+            return None
+        word = value[0] if how == "pronoun" else None
+        ranked = sorted(scored, key=lambda me: (me[0], me[1].salience(turn - 1) * _prior(me[1], word), me[1].last),
+                        reverse=True)
+        if how == "other" and len(ranked) > 1:  # "the other address": the best one is the address already in mind
+            return ranked[1][1], used
+        return ranked[0][1], used
 
     # --- saving ----------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -364,28 +498,63 @@ class EntityGraph:
                 "resolutions": [r.as_dict() for r in self.resolutions.get(turn, [])]}
 
 
-_KIND_NOUNS = {"address": ("address", "postcode", "flat", "house", "place"), "contact": ("number", "email", "phone", "mobile"),
-               "code": ("number", "reference", "ref", "code", "order", "booking", "account"),
-               "date": ("date", "day", "appointment", "time", "slot"), "amount": ("amount", "charge", "fee", "payment", "refund")}
+_KIND_NOUNS = {"address": ("address", "postcode", "flat", "house", "place"),
+               "phone": ("number", "phone", "mobile", "landline", "contact"), "email": ("email", "address", "contact"),
+               "code": ("number", "reference", "ref", "code", "order", "booking", "account", "registration", "serial",
+                        "policy"),
+               "date": ("date", "day", "appointment", "time", "slot", "week"),
+               "amount": ("amount", "charge", "fee", "price", "cost", "total", "limit")}
+_KIND_WORDS = frozenset(noun for nouns in _KIND_NOUNS.values() for noun in nouns)
+
+
+def _learn_genders(text: str, named: list[tuple[Entity, int, int]]) -> None:
+    """A he or she after a name, with no other name between, in its sentence or opening the next when the
+    name opened its own, tells the name's gender and that it is someone ("Kieran Doyle is booked, he'll
+    ring"; "Biscuit is barking again. He's our spaniel")."""
+    for match in _PERSONAL_WORD.finditer(text):
+        before = [(start, entity) for entity, start, end in named if end <= match.start() and
+                  entity.kind in ("name", "person", "pet") and entity.relation != SELF]
+        start, entity = max(before, key=lambda se: se[0], default=(-1, None))
+        if entity is not None and entity.gender is None and (_SENTENCE.fullmatch(text[start:match.start()]) or (
+                _NEXT_SENTENCE.fullmatch(text[start:match.start()]) and _at_sentence_start(text, start))):
+            entity.gender = PERSONAL[match.group(0).lower()]
+            entity.kind = "person" if entity.kind == "name" else entity.kind
+
+
+_THEIR_NAME = re.compile(r"\b(his|her)\s+name(?:'s|\s+is)\s*$", re.I)
+_NEXT_SENTENCE = re.compile(r"[^.!?]{0,100}[.!?]\s+")  # the rest of a sentence: what comes next starts the next one
+_NAME_AFTER = re.compile(r",?\s+(?:(?:is|was|called|named)\s+)?([A-Z][a-z]+(?:\s+[A-Z][a-z]+)?)")
+_SENTENCE = re.compile(r"[^.!?]{0,80}")  # within the name's sentence
+_NEAR = re.compile(r"[^.!?]{0,150}(?:[.!?]+\s+[^.!?]{0,150})?")  # the same sentence or the next
+_PERSONAL_WORD = re.compile(r"\b(?:he|she)\b", re.I)  # a subject: "her", "his" often mean someone else
+
+
+def _gender(entity: Entity) -> str | None:
+    relation = entity.relation or ""
+    return entity.gender or ("female" if relation in FEMALE_RELATIONS else "male" if relation in MALE_RELATIONS else None)
+
+
+def _named_instead(candidates: list[Entity]) -> list[Entity]:
+    """Without the bare nouns ("the engineer", "my landlord") that a named candidate was introduced as:
+    "he" is Kieran Doyle, not "engineer"."""
+    called = {noun for e in candidates if e.kind != "thing" for noun in (*e.aliases, e.relation) if noun and noun != e.key}
+    return [e for e in candidates if not (e.key == e.head and e.head in called and not e.aliases)]
 
 
 def _compatible(entity: Entity, word: str) -> bool:
     animate = entity.kind in ("person", "pet", "name")
     if word in PERSONAL:
-        if entity.relation == SELF:
-            return False
-        gender = PERSONAL[word]
-        if entity.relation in (FEMALE_RELATIONS if gender == "male" else MALE_RELATIONS):
-            return False
-        return animate
+        gender = _gender(entity)
+        return (animate and entity.relation != SELF and gender in (None, PERSONAL[word])
+                and entity.head not in PLURAL_PEOPLE)
     if word in PLACE:
         return entity.kind in ("address", "place", "name") or entity.head in ("shop", "branch", "office", "surgery", "station")
-    if word in PLURAL:
-        return True
+    if word in PLURAL:  # things, organisations, people in the plural: not one person
+        return entity.kind not in ("person", "pet") or entity.head in PLURAL_PEOPLE
     return entity.kind not in ("person", "pet")  # it, that, this, that one
 
 
-PRIOR_IT = {"thing": 1.0, "name": 0.9, "code": 0.6, "address": 0.5, "date": 0.4, "amount": 0.4, "contact": 0.3}
+PRIOR_IT = {"thing": 1.0, "name": 0.9, "code": 0.6, "address": 0.2, "date": 0.4, "amount": 0.4, "contact": 0.3}
 PRIOR_THERE = {"address": 1.0, "place": 1.0, "name": 0.6, "thing": 0.5}
 
 
@@ -394,9 +563,12 @@ def _prior(entity: Entity, word: str | None) -> float:
     if word in PLACE:
         return PRIOR_THERE.get(entity.kind, 0.3)
     if word in PERSONAL:
-        return 1.0 if entity.kind in ("person", "pet") else 0.7
-    if word in PLURAL:
-        return 1.0 if entity.kind == "thing" and entity.head.endswith("s") else 0.6 if entity.kind == "thing" else 0.4
+        named = entity.name[:1].isupper()  # Kieran, not "the engineer" (or a name not yet known to be someone's)
+        return (1.0 if named else 0.5) if entity.kind in ("person", "pet") else 0.3
+    if word in PLURAL:  # "they": things in the plural, then what looks like an organisation ("the council", "NGED")
+        if entity.kind in ("thing", "person") and entity.head.endswith("s") and not entity.head.endswith("ss"):
+            return 1.0
+        return 0.8 if entity.kind == "name" or entity.name[:1].isupper() else 0.5 if entity.kind == "thing" else 0.3
     return PRIOR_IT.get(entity.kind, 0.5)
 
 
@@ -421,37 +593,41 @@ def _key(name: str) -> str:
 
 
 def _relation_near(text: str, start: int, end: int) -> str | None:
-    """The relation a name is introduced with: "my daughter Ellie" or "Biscuit, my beagle"."""
-    nouns = "|".join(RELATIONS + PETS)
-    before = re.search(rf"\b(?:my|our)\s+(?:\w+\s+)?({nouns}),?\s*$", text[max(0, start - 40):start], re.I)
-    after = before or re.match(rf",?\s+(?:my|our)\s+(?:\w+\s+)?({nouns})\b", text[end:], re.I)
-    return after.group(1).lower() if after else None
+    """The relation a name is introduced with: "my daughter Ellie", "my fiancé is Dev" or "Biscuit, my beagle"."""
+    found = _RELATION_BEFORE.search(text[max(0, start - 40):start]) or _RELATION_AFTER.match(text[end:])
+    return found.group(1).lower() if found else None
 
 
-def _phrase(words: list[str]) -> list[str]:
-    """The noun phrase after a determiner, without a tagger: words up to the first function word or
-    verb-looking word ("boiler stopped" -> "boiler"), at most two."""
-    out = []
-    for word in words[:2]:
-        if word in STOPWORDS or (out and word.endswith(("ed", "ing", "ly"))) or word in _VERBS:
-            break
-        out.append(word)
-    return out
+_RELATION_BEFORE = re.compile(rf"\b(?:my|our)\s+(?:\w+\s+)?({_RELATION}|{'|'.join(PETS)})(?:,|\s+(?:is|was|called|named))?\s*$",
+                              re.I)
+_RELATION_AFTER = re.compile(rf",?\s+(?:my|our)\s+(?:\w+\s+)?({_RELATION}|{'|'.join(PETS)})\b", re.I)
 
 
-_VERBS = frozenset("is are was were be been has have had do does did can could will would should may might must "
-                   "needs need wants want keeps stopped broke works worked arrived came went says said got".split())
+_VERBS = frozenset("""is are was were be been has have had do does did can could will would should may might must needs
+need wants want keep keeps stopped broke works worked arrived came come comes went go goes says said say got get gets paid
+sent left took take takes gave give gives made make makes show shows told put run runs thought found ago""".split())
+_NUMBERS = frozenset("one two three four five six seven eight nine ten".split())
+_OBJECTS = frozenset("the a an you me it him her them us my your our their this that up".split())  # after a verb
 
 
 def _inside(start: int, end: int, taken: list[tuple[int, int]]) -> bool:
     return any(start < e and s < end for s, e in taken)
 
 
-def _sentence_start_word(text: str, match: re.Match) -> bool:
-    """A capitalised word that only starts a sentence, not a name ("Thanks", "Could")."""
-    before = text[:match.start()].rstrip()
-    first = match.group(0).split()[0].lower().strip("'")
-    return (not before or before[-1] in ".!?\"(") and (first in STOPWORDS or first in _COMMON_STARTS) or first in ("i", "i'm", "i'll", "i've", "i'd")
+def _at_sentence_start(text: str, start: int) -> bool:
+    before = text[:start].rstrip()
+    return not before or before[-1] in ".!?\"(:\n-*•"
+
+
+_ORGANISATIONS = frozenset("""ltd limited plc inc llc co council office register hospital school college university
+centre center clinic surgery services service books press games labs bank group trust society club team studio studios
+shop store pay insurance motors garage""".split())
+_STREETS = frozenset("street road lane close avenue drive way parade yard mews court place square crescent terrace".split())
+_LOCATIVE = re.compile(r"\b(?:at|in|near|into|around|from)\s+$", re.I)
+_CLITIC = re.compile(r"'(?:s|ll|ve|d|re|m)$", re.I)
+_TITLES = frozenset(("mr", "mrs", "ms", "miss", "dr"))
+_CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june july
+august september october november december""".split())
 
 
 _COMMON_STARTS = frozenset("""hello hi hey thanks thank yes yeah no ok okay great lovely right sorry please could can would
@@ -459,9 +635,149 @@ will just well oh ah also and but so then now sure perfect brilliant cheers good
 why how who which is are do does did have has any anything one while since""".split())
 
 
-_DEMONSTRATIVE_PRONOUN = re.compile(
-    r"\s*(?:$|[.,!?;:]|(?:is|was|'s|works|sounds|would|will|should|has|needs|does|can|could|might|must|seems|looks)\b)", re.I)
+_DEMONSTRATIVE_PRONOUN = re.compile(  # "that" followed by a verb, a preposition or an adverb stands for a thing
+    r"\s*(?:$|[.,!?;:)]|(?:is|was|'s|works|sounds|would|will|should|has|needs|does|can|could|might|must|seems|looks|be|"
+    r"been|come|comes|go|goes|cost|costs|include|includes|mean|means|cover|covers|work|happen|take|takes|get|gets|on|in|"
+    r"at|for|by|to|before|after|now|too|again|off|up|out|with|from|as|instead|then|all|first|later|please|also)\b)", re.I)
 
 
-def _last_before(entity: Entity, turn: int) -> int:
-    return max(t for t, _ in entity.mentions if t < turn)
+def _reference(match: re.Match, text: str) -> tuple[str, int, Want] | None:
+    """A reference's type, where its span ends and what it wants; None for what only looks like one
+    ("so that we", "the way")."""
+    if match.group("one"):
+        modifier = (match.group("one_mod") or "").strip("\"'").lower()
+        how = "other" if modifier == "other" else "one"
+        return "demonstrative", match.end(), (how, () if modifier in ("", "other", *_ORDINALS) else (modifier,))
+    if match.group("rel"):
+        return "relational", match.end("rel"), ("relation", (_relation_word(match.group("rel")),))
+    head = "other_head" if match.group("other") else "def_head" if match.group("def") else None
+    if head:
+        words, end = _phrase_at(text, match.start(head), kinds=True)
+        if not words:
+            return _demonstrative(match, text)  # "that goes back", "pay that now"
+        kind = "demonstrative" if match.group(0).lower().startswith(("that", "this", "those", "these")) else "definite"
+        if len(words) == 1 and words[0] in GENERIC_PEOPLE:  # "the man coming on Thursday": someone, as "he" would be
+            return kind, end, ("pronoun", (GENERIC_PEOPLE[words[-1]],))
+        mine = match.group(0).lower().startswith(("my ", "our "))  # "my number": one the user gave
+        how = "other" if head == "other_head" else "given" if mine or _GIVEN.match(text[end:]) else "phrase"
+        return kind, end, (how, tuple(words))
+    word = match.group("pro").lower()
+    return _demonstrative(match, text) if word in ("that", "this") else ("pronoun", match.end(), ("pronoun", (word,)))
+
+
+def _chained(resolved: list[tuple[Resolution, Entity]], want: Want) -> tuple[Entity, int] | None:
+    """A "he" or "she" after a resolved relation or phrase of its own turn that it fits means the same
+    ("Can my daughter sit by the window? She gets travel sick")."""
+    if want[0] != "pronoun" or want[1][0] not in PERSONAL:
+        return None
+    return next(((e, 1) for r, e in reversed(resolved) if r.type in ("relational", "definite") and e.kind == "person"
+                 and _compatible(e, want[1][0])), None)
+
+
+def _words_end(text: str, start: int, count: int) -> int:
+    return start + re.match(rf"[\w'£$€-]+(?: [\w'£$€-]+){{{count - 1}}}", text[start:]).end()
+
+
+def _demonstrative(match: re.Match, text: str) -> tuple[str, int, Want] | None:
+    """A "that" or "this" that stands for a thing; None for a conjunction or a determiner ("so that we",
+    "that day")."""
+    end = match.start() + 4
+    word = text[match.start():end].lower()
+    if word not in ("that", "this") or not _DEMONSTRATIVE_PRONOUN.match(text[end:]):
+        return None
+    return "demonstrative", end, ("pronoun", (word,))
+
+
+GENERIC_PEOPLE = {"man": "he", "guy": "he", "gentleman": "he", "chap": "he", "bloke": "he", "lad": "he",
+                  "woman": "she", "lady": "she", "girl": "she"}
+_GIVEN = re.compile(r"\s+(?:that\s+|which\s+)?(?:i|we)(?:'ve)?\s+(?:gave|told|sent|mentioned|said|provided|put)\b", re.I)
+_ORDINALS = ("first", "second", "third", "last", "latter", "former", "same", "new", "old")
+
+
+def _lead_nouns(text: str, start: int) -> list[str]:
+    """The nouns right before a name or value, up to a function word or a verb ("I've opened claim
+    CLM-77120" -> claim; "warranty number WTY-55203" -> warranty; "engineer Kieran Doyle" -> engineer)."""
+    words = re.findall(r"[A-Za-z][\w'-]*", _LEAD.search(text[max(0, start - 40):start]).group(1))
+    out = []
+    for word in reversed([w.lower() for w in words]):
+        if "'" in word or word in STOPWORDS or word in _VERBS or word.endswith(("ed", "ing")) or word in _NOT_THINGS:
+            break
+        out.append(word)
+    return out
+
+
+_LEAD = re.compile(r"((?:[A-Za-z][\w'-]*[ \t]+){0,3})(?:(?:is|was|number|no\.?|:)[ \t]*)?$", re.I)
+
+
+def _relation_word(span: str) -> str:
+    """The relation a relational reference names: "my mums" -> "mum", "My mother-in-law" -> "mother-in-law"."""
+    word = span.lower().split()[-1].removesuffix("'s")
+    return word[:-1] if word not in RELATIONS and word[:-1] in RELATIONS else word
+
+
+def _relation_of(text: str, start: int, end: int, said: str) -> str | None:
+    """The relation a name comes with in its text, or in the turn's words so far (`said`: the user typed
+    "my brother reece", the reply names Reece)."""
+    key = _key(text[start:end])
+    said_with = (m.group(1) for m in _SAID_RELATION.finditer(said) if said.startswith(f"{key} ", m.end()))
+    return _relation_near(text, start, end) or next(said_with, None)
+
+
+_SAID_RELATION = re.compile(rf" (?:my|our) ({'|'.join(RELATIONS)}) ")
+
+
+def _phrase_at(text: str, start: int, most: int = 3, kinds: bool = False) -> tuple[list[str], int]:
+    """The noun phrase starting here and where it ends, without a tagger: up to `most` words, stopping at
+    a function word or a verb-looking one ("the boiler stopped", "the coach collects you"), a vague last
+    noun dropped ("the complaint thing") unless `kinds` keeps the nouns values go by ("that number"); none
+    before "one" ("the new one" names nothing itself)."""
+    match = re.match(r"[£$€]?[\w'-]+(?: [\w'-]+){0,3}", text[start:])
+    raw = match.group(0).split(" ") if match else []
+    if len(raw) > 1 and raw[0].lower() in ("same", "very", "whole"):  # "the same engineer": the engineer
+        return _phrase_at(text, start + len(raw[0]) + 1, most, kinds)
+    lower = [w.lower() for w in raw] + [""]
+    words = []
+    for i, word in enumerate(lower[:min(most, len(raw))]):
+        if "'" in word.removesuffix("'s") or word in STOPWORDS or word in _VERBS or word in _NUMBERS or i and (
+                word.endswith(("ed", "ing", "ly")) or word in _NOT_THINGS and not (kinds and word in _KIND_WORDS)
+                or word.endswith("s") and not word.endswith("ss") and (lower[i + 1] in _OBJECTS
+                                                                       or lower[i + 1][:1].isdigit())):
+            break  # "don't", "the boiler stopped", "that branch last time", "the coach collects you"
+        words.append(word.removesuffix("'s"))
+        if word.endswith("'s"):  # "my mum's boiler": the mum
+            break
+    if lower[len(words)] in ("one", "ones"):
+        return [], start
+    while words and (words[-1] in _NOT_THINGS and not (kinds and words[-1] in _KIND_WORDS) or words[-1] in STOPWORDS):
+        words.pop()
+    return words, start + len(" ".join(raw[:len(words)])) - (2 if words and raw[len(words) - 1].endswith("'s") else 0)
+
+
+def _matches(entity: Entity, known: set[str], stems: list[str], head_needed: bool = True) -> float:
+    """How well a phrase (its words stemmed) names an entity that goes by `known` words: its head noun
+    does (2, and 1 more when that noun is not the entity's own name but what a name or value was called:
+    "the engineer" is Kieran), each other word it shares (1), and being exactly its name (0.5). Nothing
+    without the head, unless only modifiers are asked for ("the broken one")."""
+    *modifiers, head = stems or [""]
+    shared = sum(m in known for m in modifiers)
+    if head_needed:
+        if head not in known:
+            return 0
+        called = entity.kind != "thing" and head not in entity.key.split()
+        return 2 + called + shared + 0.5 * (entity.key == " ".join(stems))
+    return shared + (head in known)
+
+
+def _related(candidates: list[Entity], noun: str) -> list[tuple[int, Entity]]:
+    """The people introduced with a relation: by name first ("my brother" is Reece), else the noun itself."""
+    related = [e for e in candidates if (e.relation == noun or noun in e.aliases) and e.kind != "thing"]
+    named = [(2, e) for e in related if e.key != noun and not e.key.endswith(noun)]
+    return named or [(1, e) for e in related or [e for e in candidates if e.head == noun]]
+
+
+def _stem(word: str) -> str:
+    """A word as names and phrases share it: "labels" -> "label", "£412" -> "412", "10th" -> "10"."""
+    word = word[1:] if word[:1] in "£$€" else word
+    if word[:1].isdigit() and word.endswith(("st", "nd", "rd", "th")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") and len(word) > 3 else word

@@ -105,6 +105,53 @@ def test_a_relation_resolves_to_the_person_introduced_with_it():
     assert [(r.span, r.entity, r.antecedent) for r in resolved][:2] == [("my daughter", "Ellie", 0), ("She", "Ellie", 0)]
 
 
+def resolved_in(graph: EntityGraph, turn: int, text: str) -> dict[str, tuple[str, int]]:
+    return {r.span: (r.entity, r.antecedent) for r in graph.observe(turn, text)[1]}
+
+
+def test_the_other_address_is_the_older_of_two_addresses():
+    graph = rules_graph((0, "Please post the forms to 12 Wren Street, York YO1 7HH.", "Noted."),
+                        (1, "Actually, the refund letter should go to 4 Alder Court, York YO24 1AB.", "Noted too."))
+    assert resolved_in(graph, 2, "And the other address, is that one still on file?")["the other address"] == (
+        "12 Wren Street, York YO1 7HH", 0)
+
+
+def test_it_after_a_named_product_is_the_product_not_the_person_or_the_order_number():
+    graph = rules_graph((0, "Hi, it's Tamsin, order KX-55120.", "Thanks Tamsin. I see you bought a Brewmaster Duo grinder."))
+    assert resolved_in(graph, 1, "It makes a horrible noise.")["It"] == ("Brewmaster Duo", 0)
+
+
+def test_she_after_my_daughter_and_a_name_is_the_daughter_and_the_antecedent_is_where_she_was_named():
+    graph = rules_graph((0, "I'm booking swimming lessons for my daughter Priya and my son Arlo."))
+    assert resolved_in(graph, 1, "She is seven and a bit nervous.")["She"] == ("Priya", 0)
+    assert resolved_in(graph, 2, "Can she start next week?")["she"] == ("Priya", 0)  # "She" at turn 1 named no one
+    assert resolved_in(graph, 3, "He is ten.")["He"] == ("Arlo", 0)
+
+
+def test_a_relation_named_in_a_later_sentence_resolves_to_the_name():
+    graph = rules_graph((0, "My husband wants to come to the viewing too. His name is Desmond Achebe."),
+                        (1, "My mother-in-law is coming as well. Gwendolyn Marsh, she's 80.", "Both added."))
+    resolved = resolved_in(graph, 2, "Can my husband and my mother-in-law park on site?")
+    assert resolved["my husband"] == ("Desmond Achebe", 0)
+    assert resolved["my mother-in-law"] == ("Gwendolyn Marsh", 1)
+
+
+def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
+    graph = rules_graph((0, "My lamp arrived smashed.", "Sorry! I've opened claim QX-4410 for the lamp, Ms Oduya."),
+                        (1, "Thanks.", "You're welcome."))
+    resolved = resolved_in(graph, 2, "How long does the claim take? Will that be quick? So that I know.")
+    assert resolved["the claim"] == ("QX-4410", 0)
+    assert resolved["that"][0] in ("QX-4410", "lamp")  # a thing, not Ms Oduya; "so that I" is no reference
+    assert len(resolved) == 2
+
+
+def test_the_man_is_the_person_last_named_and_the_graph_round_trips():
+    graph = rules_graph((0, "When is the visit?", "Your engineer will be Rafael Ortiz, on Tuesday 4 March."))
+    assert resolved_in(graph, 1, "Will the engineer call first?")["the engineer"] == ("Rafael Ortiz", 0)
+    loaded = EntityGraph.from_state(graph.state(), PersistenceMarker(None))
+    assert resolved_in(loaded, 2, "Does the man need parking?")["the man"] == ("Rafael Ortiz", 0)
+
+
 def test_the_clause_model_round_trips_through_json(tmp_path):
     clauses = ["please never phone me", "never call me at work", "I prefer email", "email is best for me",
                "what if they can't fix it", "I never got the parcel", "by WhatsApp please", "letters in Greek please"]
