@@ -400,18 +400,12 @@ class Agent:
 
     def _drop_old_notes(self, incoming: int) -> None:
         """Drop the old notes' KV (replaced, not appended) in the compaction that makes room for the
-        `incoming` tokens prefilled first (the feed's first chunk): one rewrite of the cache, not one for
-        the notes and another for the chunk, and the same tokens kept as those two would keep. It counts
-        as the notes' work only when the chunk needed no room of its own (else the policy would have
-        compacted anyway)."""
+        `incoming` tokens prefilled first (the feed's first chunk), keeping what those two compactions
+        would. It counts as the notes' work only when the chunk needed no room of its own (else the policy
+        would have compacted anyway)."""
         started = time.perf_counter()
-        rest = torch.nonzero(self.store.meta.turn != NOTES_TURN).flatten()
-        if rest.numel() == self.store.length:
-            return
-        kept = self.policy.room_for(self.store.meta.select(rest), incoming)
-        with torch.inference_mode():
-            self.store.keep(rest if kept is None else rest[kept], reserve=incoming)
-        if kept is None:
+        old = self.store.meta.turn == NOTES_TURN
+        if bool(old.any()) and not self.store.make_room(incoming, drop=old):
             self._charge("notes", started)
 
     @one_thread

@@ -107,11 +107,12 @@ class Policy:
             return None
         return self.select(meta, max(0, self.budget - incoming - self.slack))
 
-    def make_room(self, store: KVStore, incoming: int) -> None:
-        """Evict so that `incoming` more tokens fit within the budget."""
+    def make_room(self, store: KVStore, incoming: int) -> bool:
+        """Evict so that `incoming` more tokens fit within the budget; whether that took an eviction."""
         kept = self.room_for(store.meta, incoming)
         if kept is not None:
             store.keep(kept, reserve=incoming)
+        return kept is not None
 
     def max_chunk(self) -> int | None:
         """Largest prefill chunk that still leaves room for what the policy promises."""

@@ -119,9 +119,16 @@ class KVStore(Cache):
         return self.policy.needs_surprisal and not self.frozen
 
     # --- feeding -------------------------------------------------------------------------------
-    def make_room(self, incoming: int) -> None:
-        """Let the policy evict so that `incoming` more tokens fit the budget."""
-        self.policy.make_room(self, incoming)
+    def make_room(self, incoming: int, drop: torch.Tensor | None = None) -> bool:
+        """Let the policy evict so that `incoming` more tokens fit the budget; whether it had to. `drop`
+        (a bool per token) leaves those tokens out in the same compaction, the policy choosing among the
+        rest (the notes' old KV, replaced as the new notes are fed: one rewrite of the cache, not two)."""
+        if drop is None or not bool(drop.any()):
+            return self.policy.make_room(self, incoming)
+        rest = torch.nonzero(~drop).flatten()
+        kept = self.policy.room_for(self.meta.select(rest), incoming)
+        self.keep(rest if kept is None else rest[kept], reserve=incoming)
+        return kept is not None
 
     def expect(self, count: int, turn: int, role: str, segment: int, ids: list[int] | None = None) -> None:
         """Declare the metadata of the next `count` tokens, before the forward that appends them."""
