@@ -1,5 +1,6 @@
-"""The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
-compiled on first use with the machine's C compiler and loaded through ctypes.
+"""The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries) and
+`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass), compiled on
+first use with the machine's C compiler into one library and loaded through ctypes.
 
 Why C: decode over int8 / int4 / fp8 KV is bound by the bytes it reads, but torch needs several full
 passes to turn codes into floats (widen, shift, mask, convert) before its matmul reads them again. The
@@ -29,13 +30,14 @@ import torch
 if TYPE_CHECKING:
     from cache.quant import QuantRows
 
-SOURCE = Path(__file__).with_name("quant_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
-              "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i]}
+              "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
+              "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -53,7 +55,7 @@ def compiler() -> str:
 def library_path() -> Path:
     from agent.model import cache_dir
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
     return cache_dir() / "native" / f"quant_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -64,7 +66,7 @@ def build(path: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler(), *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
+        subprocess.run([compiler(), *FLAGS, *map(str, SOURCES), "-o", str(partial)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, path)
     finally:
@@ -86,7 +88,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
-        print(f"memory-palace: quantized KV kernels unavailable, using torch ops ({str(detail).strip().splitlines()[-1]})",
+        print(f"memory-palace: native KV kernels unavailable, using torch ops ({str(detail).strip().splitlines()[-1]})",
               file=sys.stderr)
         return None
     for name, signature in SIGNATURES.items():
@@ -143,3 +145,20 @@ def value_weighted(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
                              channel_groups, channels, KINDS[kind], scale.data_ptr(), _ptr(zero), scale.stride(0),
                              unit, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+COMPACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 rotate: torch.Tensor) -> None:
+    """In place, for every head: row j of keys and values [1, heads, rows, dim] (a layer's buffers from the
+    first row rewritten, rows contiguous in each head) takes row index[j] (ascending, index[j] >= j), and
+    the keys where `rotate` [n] is set are turned by cos / sin [n, dim / 2]. float32 or bfloat16."""
+    heads, dim = keys.shape[1], keys.shape[3]
+    index = index.to(torch.int64).contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    rotate = rotate.to(torch.uint8).contiguous()
+    library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
+                           COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
+                           sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())

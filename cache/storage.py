@@ -128,6 +128,22 @@ class ContiguousStorage:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def compact(self, start: int, order: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
+                turned: torch.Tensor) -> bool:
+        """Keep rows [0, start), then row start + j takes row start + order[j] (`order` ascending), its key
+        turned by `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in place and in one pass
+        by the native kernel (cache/native.py). False when it cannot (not on the CPU, another dtype, no
+        compiler): the caller rewrites the general way."""
+        from cache import native
+
+        if self.keys is None or self.keys.dtype not in native.COMPACT_DTYPES or not native.available(self.keys):
+            return False
+        half = self.keys.shape[3] // 2
+        native.compact_rows(self.keys[:, :, start:], self.values[:, :, start:], order, rotation[0][:, :half],
+                            rotation[1][:, :half], turned)
+        self.length = start + order.numel()
+        return True
+
     def fit(self, reserve: int = 0) -> None:
         """Shrink capacity to the growth step that holds the tokens and `reserve` more, unless what it
         would free is at most a quarter of it and within the ceiling's growth step. Shrinking is a copy

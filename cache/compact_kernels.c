@@ -1,0 +1,64 @@
+/* In-place compaction of one layer's contiguous keys and values, in one pass: row j of every head takes
+ * row index[j], and a key is turned by its row's rotation on the way (re-rotation to its new position).
+ * torch needs a gather into new tensors, a rotation over them and a copy back, op by op and layer by
+ * layer; at a 1K-token cache that is most of a splice's time. Built by cache/native.py with the quantized
+ * attention kernels. */
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's conversion */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* keys, values: the layer's [heads][head_stride] buffers from the first row rewritten; element size 4
+ * (float32) or 2 (bfloat16, `bf16` set). Row j = 0..n-1 takes row index[j]: ascending with index[j] >= j,
+ * so every read is ahead of every write before it. Where rotate[j], the key is turned by cos/sin
+ * [n][dim/2] (its two halves by the same angles) in float32: a' = a cos - b sin, b' = b cos + a sin. */
+void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16,
+                  const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate,
+                  int threads) {
+    const int half = dim / 2;
+    const size_t row_bytes = (size_t)dim * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int h = 0; h < heads; h++) {
+        char *kbase = (char *)keys + (size_t)h * head_stride * (bf16 ? 2 : 4);
+        char *vbase = (char *)values + (size_t)h * head_stride * (bf16 ? 2 : 4);
+        for (int j = 0; j < n; j++) {
+            const int64_t src = index[j];
+            if (src != j) memcpy(vbase + (size_t)j * row_bytes, vbase + (size_t)src * row_bytes, row_bytes);
+            if (!rotate[j]) {
+                if (src != j) memcpy(kbase + (size_t)j * row_bytes, kbase + (size_t)src * row_bytes, row_bytes);
+                continue;
+            }
+            const float *c = cos + (size_t)j * half, *s = sin + (size_t)j * half;
+            if (bf16) {
+                const uint16_t *from = (const uint16_t *)(kbase + (size_t)src * row_bytes);
+                uint16_t *to = (uint16_t *)(kbase + (size_t)j * row_bytes);
+                for (int i = 0; i < half; i++) {
+                    const float a = bf16_to_float(from[i]), b = bf16_to_float(from[i + half]);
+                    to[i] = float_to_bf16(a * c[i] - b * s[i]);
+                    to[i + half] = float_to_bf16(b * c[i] + a * s[i]);
+                }
+            } else {
+                const float *from = (const float *)(kbase + (size_t)src * row_bytes);
+                float *to = (float *)(kbase + (size_t)j * row_bytes);
+                for (int i = 0; i < half; i++) {
+                    const float a = from[i], b = from[i + half];
+                    to[i] = a * c[i] - b * s[i];
+                    to[i + half] = b * c[i] + a * s[i];
+                }
+            }
+        }
+    }
+}
