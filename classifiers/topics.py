@@ -5,11 +5,14 @@ small talk or a stated preference is a topic of its own; coming back to an earli
 return). The tracker is online: at user turn t it has seen turns 0..t and the assistant's replies to
 turns 0..t-1, never anything later.
 
-Two scikit-learn logistic regressions over cheap features decide:
+Two scikit-learn models over cheap features (boosted trees, or logistic regressions: train.KIND)
+decide:
 - the *ranker* scores each earlier topic other than the current one as the one this turn returns to
   (embedding similarity to the topic's centroid, its closest turn, its first and last turn and its
-  replies; idf-weighted word overlap; entity and number overlap; recency and size; whether it is the
-  topic the current one interrupted);
+  replies; idf-weighted word overlap with the whole topic, its first turn and its closest turn, and
+  with the words no other topic shares; entity and number overlap, also with what its replies
+  restated; recency and size; whether it is the topic the current one interrupted, and whether its
+  last reply left it open; each candidate's margin to the best of the others);
 - the *decider* picks continue / new / return from the turn's similarity to the previous turn and the
   assistant's last reply, cue phrases ("by the way", "going back to", ...), turn lengths, the
   current topic's features and the ranker's best candidate. A return goes to the best candidate.
@@ -41,7 +44,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # of the model file; 2: the ranker's topic features and margins (TOPIC_FEATURES)
+STATE_VERSION = 1  # of TopicTracker.state()
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "models" / "topics.json"
 EMBED_DIM = 384
 MAX_CANDIDATES = 48  # earlier topics considered for a return (the most recently active ones)
@@ -135,6 +139,8 @@ REPLY_INVITES = _cue(r"anything else", r"what else", r"something else", r"any ot
 REPLY_SETTLES = re.compile(r"^(?:noted|got it|thanks|thank you|of course|certainly|no problem|sure|done|understood|"
                            r"perfect|great|okay|ok|all set|absolutely)(?![\w'])|\bi(?:'ve| have) (?:saved|noted|updated|"
                            r"set|changed|added|booked|logged|moved|made a note|recorded|passed)")
+REPLY_PENDING = _cue(r"i'?ll", r"we'?ll", r"i will", r"we will", r"let me", r"get back to", r"as soon as",
+                     r"once (?:it|we|the|you)", r"waiting (?:for|on)", r"pending", r"follow up")
 RETURN_TARGET = re.compile(r"(?:back to|returning to|return to|about|regarding|as for|with|on) ((?:[\w'-]+ ?){1,5})")
 
 
@@ -171,6 +177,7 @@ class TextBits:
     n_words: int
     cues: tuple[float, ...]  # new, return, continuation start, acknowledgement start, closing, question
     invites: float  # (replies) invites a new request: "anything else?"
+    pending: float  # (replies) leaves the matter open: asks something or promises a follow-up
     settles: float  # (replies) acknowledges or records something: "Noted, I've saved ..."
     target: frozenset[str]  # content stems right after a return cue ("back to *the refund*")
 
@@ -204,7 +211,8 @@ def analyse(text: str) -> TextBits:
         for m in RETURN_TARGET.finditer(low):
             target.update(stem(w) for w in re.findall(r"[a-z]+", m.group(1)) if len(w) > 2 and w not in STOPWORDS)
     return TextBits(frozenset(words), frozenset(entities), frozenset(numbers), n, cues,
-                    float(bool(REPLY_INVITES.search(low))), float(bool(REPLY_SETTLES.search(low))),
+                    float(bool(REPLY_INVITES.search(low))),
+                    float("?" in low or bool(REPLY_PENDING.search(low))), float(bool(REPLY_SETTLES.search(low))),
                     frozenset(target))
 
 
@@ -213,7 +221,11 @@ def analyse(text: str) -> TextBits:
 PAIR_FEATURES = ("sim_centroid", "sim_max", "sim_mean", "sim_first", "sim_last", "sim_replies", "sim_reply_max",
                  "words", "user_words", "cue_target", "entities", "numbers", "recency", "size", "interrupted",
                  "runs")
-RANK_FEATURES = PAIR_FEATURES + ("sim_max_margin", "sim_centroid_margin", "words_margin", "recency_rank")
+# the ranker's alone: they tell earlier topics apart; the decider sees them through the best one's score
+TOPIC_FEATURES = ("words_own", "words_first", "words_turn_max", "reply_entities", "pending")
+RANK_FEATURES = PAIR_FEATURES + TOPIC_FEATURES + ("sim_max_margin", "sim_centroid_margin", "words_margin",
+                                                  "recency_rank", "words_own_margin", "sim_reply_max_margin",
+                                                  "entities_margin")
 TURN_FEATURES = ("sim_prev", "sim_prev_reply", "sim_prev2", "words_prev", "words_prev_reply",
                  "cue_new", "cue_return", "starts_continuation", "starts_ack", "closing", "question",
                  "length", "prev_length", "reply_length", "reply_question", "reply_invites", "reply_settles",
@@ -227,6 +239,7 @@ DECIDE_FEATURES = (TURN_FEATURES + tuple("cur_" + f for f in PAIR_FEATURES)
                       "return_cue_x_best_words", "return_cue_x_best_sim", "new_cue_x_cur_sim",
                       "cur_sim_max_over_mean", "best_sim_max_over_mean", "cur_centroid_over_mean"))
 _W, _SIM_MAX, _TARGET = PAIR_FEATURES.index("words"), PAIR_FEATURES.index("sim_max"), PAIR_FEATURES.index("cue_target")
+_OWN, _REPLY_MAX, _ENT = (RANK_FEATURES.index(f) for f in ("words_own", "sim_reply_max", "entities"))
 _SIM_ALL_MEAN = TURN_FEATURES.index("sim_all_mean")
 
 
@@ -241,6 +254,7 @@ class Topic:
     user_words: Counter = field(default_factory=Counter)
     entities: Counter = field(default_factory=Counter)
     numbers: Counter = field(default_factory=Counter)
+    reply_entities: Counter = field(default_factory=Counter)  # what the assistant restated: amounts, dates, codes
     runs: int = 1
     idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -532,7 +546,7 @@ class TopicTracker:
 
     def state(self) -> dict:
         """JSON-serialisable state (turns, embeddings, decisions) for saving a session."""
-        return {"format_version": FORMAT_VERSION,
+        return {"format_version": STATE_VERSION,
                 "turns": [{"text": t.text, "embedding": t.embedding.tolist(), "label": t.label, "topic": t.topic,
                            "run": t.run, "reply": t.reply,
                            "reply_embedding": None if t.reply_embedding is None else t.reply_embedding.tolist()}
@@ -542,10 +556,10 @@ class TopicTracker:
     def from_state(cls, state: dict, model: TopicModel | None = None, embedder=None) -> "TopicTracker":
         """Rebuild a tracker from `state()`; decisions are replayed as recorded, not re-classified, and
         embeddings taken as saved (unit already: normalising twice would move them by rounding)."""
-        if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        if not isinstance(state, dict) or state.get("format_version") != STATE_VERSION:
             raise ValueError(f"topic tracker state of format version "
                              f"{state.get('format_version') if isinstance(state, dict) else None!r}, "
-                             f"expected {FORMAT_VERSION}")
+                             f"expected {STATE_VERSION}")
         tracker = cls(model, embedder)
         for t in state["turns"]:
             tracker.commit(t["text"], np.asarray(t["embedding"], dtype=np.float32), Decision(t["label"], t["run"], t["topic"]))
@@ -583,11 +597,14 @@ class TopicTracker:
         if last.reply is not None:  # replaced: take the old one out of the topic first
             topic.words.subtract(analyse(last.reply).words)
             topic.words = +topic.words
+            topic.reply_entities.subtract(analyse(last.reply).entities)
+            topic.reply_entities = +topic.reply_entities
             if last.reply_embedding is not None:
                 topic.reply_sum -= last.reply_embedding
                 topic.n_replies -= 1
         last.reply, last.reply_embedding = text, e
         topic.words.update(analyse(text).words)
+        topic.reply_entities.update(analyse(text).entities)
         self._seen.update(analyse(text).words)
         self._has_reply[t] = e is not None
         self._remb[t] = e if e is not None else 0.0
@@ -602,9 +619,11 @@ class TopicTracker:
             return Candidates(np.zeros(len(TURN_FEATURES)), None, [], np.zeros((0, len(RANK_FEATURES))))
         bits = analyse(text)
         idf = self.model.idf if self.model is not None else (lambda w: 1.0)
-        weights = {w: idf(w) for w in bits.words}
+        # sorted: float sums in set order would depend on the process's string hashing, and the trees'
+        # thresholds on the last bit of a sum, so training would not be repeatable
+        weights = {w: idf(w) for w in sorted(bits.words)}
         total = sum(weights.values())
-        target = [w for w in bits.target if w in weights]
+        target = [w for w in sorted(bits.target) if w in weights]
         target_total = sum(weights[w] for w in target)
 
         def overlap(bag) -> float:
@@ -623,10 +642,13 @@ class TopicTracker:
         interrupted = self.turns[prev.run - 1].topic if prev.run > 0 else None
         user_sims, reply_sims = sims.tolist(), rsims.tolist()  # small topics: plain Python beats numpy calls
         centroid, rcentroid = centroid.tolist(), rcentroid.tolist()
+        # a word shared by several topics tells them apart less: each word's weight is split between them
+        spread = {w: v / max(1, sum(w in tp.words for tp in topics)) for w, v in weights.items()}
         rows = []
         for n, tp in enumerate(topics):
             s = [user_sims[i] for i in tp.turns]
             r = max(reply_sims[i] for i in tp.turns)
+            last_reply = self.turns[tp.last].reply
             rows.append([centroid[n], max(s), sum(s) / len(s), user_sims[tp.first], user_sims[tp.last],
                          rcentroid[n] if tp.n_replies else 0.0, max(0.0, r),
                          overlap(tp.words), overlap(tp.user_words),
@@ -634,9 +656,14 @@ class TopicTracker:
                          min(3, sum(1 for x in bits.entities if x in tp.entities)),
                          min(3, sum(1 for x in bits.numbers if x in tp.numbers)),
                          math.log1p(t - tp.last), math.log1p(len(tp.turns)), float(tp.first == interrupted),
-                         math.log1p(tp.runs)])
+                         math.log1p(tp.runs),
+                         sum(v for w, v in spread.items() if w in tp.words) / total if total else 0.0,
+                         overlap(analyse(self.turns[tp.first].text).words),
+                         max(overlap(analyse(self.turns[i].text).words) for i in tp.turns),
+                         min(3, sum(1 for x in bits.entities if x in tp.reply_entities)),
+                         analyse(last_reply).pending if last_reply is not None else 0.0])
         rows = np.asarray(rows, dtype=np.float64)
-        current, rest = rows[0], rows[1:]
+        current, rest = rows[0, :len(PAIR_FEATURES)], rows[1:]
 
         prev_bits = analyse(prev.text)
         reply_bits = analyse(prev.reply) if prev.reply is not None else None
@@ -660,7 +687,9 @@ class TopicTracker:
         if not len(rest):
             return Candidates(turn, current, [], np.zeros((0, len(RANK_FEATURES))))
         margins = np.stack([rest[:, _SIM_MAX] - rest[:, _SIM_MAX].max(), rest[:, 0] - rest[:, 0].max(),
-                            rest[:, _W] - rest[:, _W].max(), np.log1p(np.arange(len(rest)))], axis=1)
+                            rest[:, _W] - rest[:, _W].max(), np.log1p(np.arange(len(rest))),
+                            rest[:, _OWN] - rest[:, _OWN].max(), rest[:, _REPLY_MAX] - rest[:, _REPLY_MAX].max(),
+                            rest[:, _ENT] - rest[:, _ENT].max()], axis=1)
         return Candidates(turn, current, [tp.first for tp in topics[1:]], np.hstack([rest, margins]))
 
     def decide_features(self, cand: Candidates, scores: np.ndarray) -> tuple[np.ndarray, int | None]:

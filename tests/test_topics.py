@@ -11,7 +11,8 @@ from nltk.metrics.segmentation import pk as nltk_pk
 from nltk.metrics.segmentation import windowdiff as nltk_windowdiff
 
 from classifiers.segmentation import boundaries_of_decisions, boundaries_of_labels, score_all, score_dialogue
-from classifiers.topics import DECIDE_FEATURES, DEFAULT_MODEL, TopicModel, TopicModelError, TopicTracker, embed, load_embedder
+from classifiers.topics import (DECIDE_FEATURES, DEFAULT_MODEL, FORMAT_VERSION, RANK_FEATURES, TopicModel,
+                                TopicModelError, TopicTracker, embed, load_embedder)
 from classifiers.train import gold_decisions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +82,33 @@ def test_continuation_without_a_cue_stays_continue(model, embedder):
     assert decision.label == "continue"
 
 
+def test_ranker_sees_what_the_replies_restated_and_where_a_topic_began(model, embedder):
+    """The refund topic, as a candidate: the date only its reply gave counts as a reply entity (not a user
+    one), its first turn shares the blender, its last reply closed the matter, and alone it has no margin."""
+    final = "Is it true the blender only reached you on the 3rd?"
+    _, tracker = run(model, embedder, REFUND + TV[:1], TV[1][0])
+    tracker.reply(TV[1][1])
+    cand = tracker.candidates(final, embed(embedder, [final])[0])
+    row = dict(zip(RANK_FEATURES, cand.pairs[cand.ids.index(0)]))
+    assert (row["reply_entities"], row["entities"], row["pending"]) == (1, 0, 0.0)
+    assert row["words_first"] > 0 and row["words_own"] == row["words"] > 0
+    assert row["sim_max_margin"] == row["words_own_margin"] == 0.0
+
+
+def test_features_do_not_depend_on_string_hashing():
+    """Word weights are summed in a fixed order, so two processes with different hash seeds (set orders)
+    compute the same features to the last bit, and training is repeatable."""
+    script = ("import numpy as np; from classifiers.topics import Decision, TopicModel, TopicTracker\n"
+              "m = TopicModel({}, {}, {'refund': 2.31, 'blender': 3.07, 'warehous': 1.93, 'damag': 2.71}, 4.17)\n"
+              "t = TopicTracker(m); e = np.random.default_rng(0).normal(size=(2, 384)).astype(np.float32)\n"
+              "t.commit('My blender refund is late, order BH-55120.', e[0], Decision('new', 0, 0))\n"
+              "c = t.candidates('Has the warehouse checked the damaged blender box for my refund yet?', e[1])\n"
+              "print(repr(c.turn.tolist()), repr(c.current.tolist()))")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT,
+                              env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("1", "2", "3")}
+    assert len(outputs) == 1 and "nan" not in outputs.pop()
+
+
 def test_precomputed_embedding_and_saved_state_give_the_same_decisions(model, embedder):
     exchanges = REFUND + TV[:1]
     tracker = TopicTracker(model, embedder)  # computes the embeddings itself
@@ -140,7 +168,7 @@ def test_gold_decisions_follow_the_labels():
 
 def test_shipped_model_is_small_and_versioned(model):
     assert DEFAULT_MODEL.stat().st_size < 1_000_000
-    assert json.loads(DEFAULT_MODEL.read_text())["format_version"] == 1
+    assert json.loads(DEFAULT_MODEL.read_text())["format_version"] == FORMAT_VERSION == 2
     p = model.decide(np.zeros(len(DECIDE_FEATURES)))
     assert p.shape == (3,) and abs(p.sum() - 1) < 1e-9
 
