@@ -21,6 +21,17 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     return (uint16_t)(bits >> 16);
 }
 
+static inline float load(const char *row, int i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline void store(char *row, int i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)row)[i] = float_to_bf16(x);
+    else
+        ((float *)row)[i] = x;
+}
+
 /* keys, values: the layer's [heads][head_stride] buffers from the first row rewritten; element size 4
  * (float32) or 2 (bfloat16, `bf16` set). Row j = 0..n-1 takes row index[j]: ascending with index[j] >= j,
  * so every read is ahead of every write before it. Where rotate[j], the key is turned by cos/sin
@@ -29,35 +40,25 @@ void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int 
                   const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate,
                   int threads) {
     const int half = dim / 2;
-    const size_t row_bytes = (size_t)dim * (bf16 ? 2 : 4);
+    const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int h = 0; h < heads; h++) {
-        char *kbase = (char *)keys + (size_t)h * head_stride * (bf16 ? 2 : 4);
-        char *vbase = (char *)values + (size_t)h * head_stride * (bf16 ? 2 : 4);
+        char *kbase = (char *)keys + (size_t)h * head_stride * size;
+        char *vbase = (char *)values + (size_t)h * head_stride * size;
         for (int j = 0; j < n; j++) {
             const int64_t src = index[j];
+            char *kto = kbase + (size_t)j * row_bytes;
+            const char *kfrom = kbase + (size_t)src * row_bytes;
             if (src != j) memcpy(vbase + (size_t)j * row_bytes, vbase + (size_t)src * row_bytes, row_bytes);
             if (!rotate[j]) {
-                if (src != j) memcpy(kbase + (size_t)j * row_bytes, kbase + (size_t)src * row_bytes, row_bytes);
+                if (src != j) memcpy(kto, kfrom, row_bytes);
                 continue;
             }
             const float *c = cos + (size_t)j * half, *s = sin + (size_t)j * half;
-            if (bf16) {
-                const uint16_t *from = (const uint16_t *)(kbase + (size_t)src * row_bytes);
-                uint16_t *to = (uint16_t *)(kbase + (size_t)j * row_bytes);
-                for (int i = 0; i < half; i++) {
-                    const float a = bf16_to_float(from[i]), b = bf16_to_float(from[i + half]);
-                    to[i] = float_to_bf16(a * c[i] - b * s[i]);
-                    to[i + half] = float_to_bf16(b * c[i] + a * s[i]);
-                }
-            } else {
-                const float *from = (const float *)(kbase + (size_t)src * row_bytes);
-                float *to = (float *)(kbase + (size_t)j * row_bytes);
-                for (int i = 0; i < half; i++) {
-                    const float a = from[i], b = from[i + half];
-                    to[i] = a * c[i] - b * s[i];
-                    to[i + half] = b * c[i] + a * s[i];
-                }
+            for (int i = 0; i < half; i++) {  /* both halves read before either is written: src may be j */
+                const float a = load(kfrom, i, bf16), b = load(kfrom, i + half, bf16);
+                store(kto, i, a * c[i] - b * s[i], bf16);
+                store(kto, i + half, b * c[i] + a * s[i], bf16);
             }
         }
     }

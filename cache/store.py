@@ -301,13 +301,14 @@ class KVStore(Cache):
             moved = moved.select(order)
         positions = torch.arange(start, start + len(moved))
         delta = positions - moved.position
-        shifted, rotation = bool((delta != 0).any()), None
+        turned = delta != 0
+        shifted, rotation = bool(turned.any()), None
         # a compaction (kept tokens in order, nothing spliced in) moves rows in place where the storage can
         in_place = span is None and order is not None and bool((order[1:] > order[:-1]).all())
         for i, layer in enumerate(self.layers):
             if in_place and hasattr(layer.storage, "compact") and layer.is_initialized:
                 rotation = rotation or self.rerotator.rotation(delta, layer.device)
-                if layer.storage.compact(start, order, rotation, delta != 0):
+                if layer.storage.compact(start, order, rotation, turned):
                     layer.storage.fit(reserve)
                     continue
             if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
