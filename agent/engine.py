@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from agent.lean import lean_forward
 from cache.attention import Piece, causal_mask
 from cache.store import KVStore
 
@@ -77,10 +78,12 @@ def _packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]],
         if mask is None and len(seq) > 1 and store.length:
             mask = causal_mask(len(seq), store.length + len(seq), device)
         pieces.append(Piece(store, len(seq), None if mask is None else mask.to(device)))
-    out = model(input_ids=torch.tensor([[t for seq in ids for t in seq]], device=device),
-                position_ids=torch.cat(positions)[None].to(device), use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=device), kv_pieces=pieces)
-    return out.logits[0]
+    tokens = torch.tensor([[t for seq in ids for t in seq]], device=device)
+    where, kept = torch.cat(positions)[None].to(device), torch.tensor(keep, device=device)
+    lean = lean_forward(model)
+    if lean is not None:
+        return lean(tokens, where, pieces, kept)
+    return model(input_ids=tokens, position_ids=where, use_cache=False, logits_to_keep=kept, kv_pieces=pieces).logits[0]
 
 
 def forward_packed(model: torch.nn.Module, stores: list[KVStore], ids: list[list[int]]) -> None:

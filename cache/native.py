@@ -1,6 +1,7 @@
-"""The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries) and
-`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass), compiled on
-first use with the machine's C compiler into one library and loaded through ctypes.
+"""The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
+`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass) and
+`agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode), compiled
+on first use with the machine's C compiler into one library and loaded through ctypes.
 
 Why C: decode over int8 / int4 / fp8 KV is bound by the bytes it reads, but torch needs several full
 passes to turn codes into floats (widen, shift, mask, convert) before its matmul reads them again. The
@@ -30,14 +31,16 @@ import torch
 if TYPE_CHECKING:
     from cache.quant import QuantRows
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c"))
+SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c")),
+           Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
-              "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i]}
+              "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
+              "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -93,6 +96,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
+    lib.q8_fast.argtypes, lib.q8_fast.restype = [], ctypes.c_int
     return lib
 
 
@@ -162,3 +166,19 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
                            COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
                            sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+
+
+def q8_fast() -> bool:
+    """Whether the int8 output-layer kernel beats a float32 matmul on this machine (it needs AVX-512)."""
+    return library() is not None and bool(library().q8_fast())
+
+
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 times int8 weights (codes [n, k], one float32 scale per 32 inputs: scales
+    [n, k / 32]), transposed -> [rows, n] float32."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
+    library().q8_matmul(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
+                        out.data_ptr(), torch.get_num_threads())
+    return out
+

@@ -81,7 +81,9 @@ def score_persistence(marker: PersistenceMarker, dialogues: list[dict]) -> dict:
     """Precision and recall (overlap and exact), overall and by type."""
     counts: dict[str, Counter] = defaultdict(Counter)
     for dialogue in annotated(dialogues, "persist"):
-        marked = marker.mark_dialogue([turn["user"].replace("\u2019", "'") for turn in dialogue["turns"]])
+        turns = dialogue["turns"]
+        replies = [None] + [(turn.get("assistant") or "").replace("\u2019", "'") for turn in turns[:-1]]
+        marked = marker.mark_dialogue([turn["user"].replace("\u2019", "'") for turn in turns], replies)
         for turn, predicted in zip(dialogue["turns"], marked):
             gold = gold_spans(turn)
             for name, same in (("all", lambda a, b: True), ("typed", lambda a, b: a.type == b.type)):

@@ -44,6 +44,7 @@ _ORDINAL = r"\d{1,2}(?:st|nd|rd|th)"
 _STREET = ("street|st|road|rd|lane|ln|close|avenue|ave|row|way|drive|dr|court|ct|place|crescent|gardens|terrace|grove|"
            "hill|park|square|walk|mews|rise|view|parade|green|yard|wharf|boulevard|end")
 _POSTCODE = r"\b[A-Z]{1,2}\d[A-Z\d]?\s?\d[A-Z]{2}\b"  # UK shape; other countries' codes read as references
+_POSTCODE_LOWER = r"\b[a-z]{1,2}\d[a-z\d]?\s\d[a-z]{2}\b"  # "nn13 6hd": with its space, so a word is not one
 _ORDINAL_WORDS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
                   "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|(?:twenty|thirty)-?\\w+")
 _NUMBER_WORDS = "one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|quarter|half"
@@ -53,7 +54,13 @@ VALUE_PATTERNS: list[tuple[str, str, re.Pattern]] = [  # (type, attribute, patte
     ("address", "address", re.compile(
         rf"\b(?:(?i:flat|apartment|unit)\s+\d+\w?,?\s+)?\d+[a-z]?,?\s+(?:[A-Z][\w'-]*\s+){{1,3}}(?i:{_STREET})\b"
         rf"(?:,\s*(?!(?i:{_DAYS}|now|please|and)\b)[A-Z][a-z]+(?:[ -][A-Z][a-z]+)?)?(?:,?\s+(?:{_POSTCODE}))?")),
-    ("address", "postcode", re.compile(_POSTCODE)),
+    ("address", "address", re.compile(  # typed in lower case in a hurry: the plainest street words only, so that
+        rf"\b(?:(?:flat|apartment|unit)\s+\d+\w?,?\s+)?\d+[a-z]?,?\s+"  # "5174 is too close" is not one
+        rf"(?:(?!(?:is|are|was|too|so|very|the|a|an|and|of|in|at|on|my|our)\b)[a-z][\w'-]*\s+){{1,2}}"
+        rf"(?:street|st|road|rd|lane|close|avenue|ave|drive|crescent|gardens|terrace|grove|mews)\b"
+        rf"(?:,\s*[a-z]+(?:\s(?!{_POSTCODE_LOWER})[a-z]+)?)?(?:,?\s+(?:{_POSTCODE}|{_POSTCODE_LOWER}))?")),
+    ("address", "postcode", re.compile(rf"{_POSTCODE}|{_POSTCODE_LOWER}")),
+    ("address", "flat", re.compile(r"\b(?i:flat|apartment|unit)\s+\d+[A-Za-z]?\b")),  # "it's Flat 14, not Flat 4"
     ("contact", "phone", re.compile(r"(?<![\w-])(?:\+\d{1,3}[\s-]?)?(?:\(?0\d{2,4}\)?[\s-]?)\d{3,4}[\s-]?\d{3,4}(?![\w-])"
                                     r"|(?<![\w-])\(?\d{3}\)?[-. ]\d{3}[-. ]\d{4}(?![\w-])")),
     ("amount", "amount", re.compile(
@@ -90,7 +97,8 @@ _DENIED = re.compile(r"\b(?:not|rather than|instead of)\s+(?:the\s+)?$", re.I)  
 _OPENING_NAME = re.compile(  # a sentence that opens with a name: "Brenda Callaghan, 8 Hawthorn Rise", "Tom and I"
     r"(?:^|(?<=[.!?]\s))(?:[A-Z][a-z'-]+(?:\s+[A-Z][a-z'-]+)+(?=,|\.|\s+here\b)"
     r"|[A-Z][a-z'-]+(?=\s+and\s+I\b|,\s+(?:a|an|my|our)\s))")
-_CALENDAR = rf"(?:(?:{_MONTHS}|{_DAYS}|christmas|easter|valentine|new|year|bank|holiday)(?:'?s)?)"
+_DAYS_SHORT = "mon|tues?|weds?|thu|thurs?|fri|sat|sun"  # "Mon, Tues and Thurs"
+_CALENDAR = rf"(?:(?:{_MONTHS}|{_DAYS}|{_DAYS_SHORT}|christmas|easter|valentine|new|year|bank|holiday)(?:'?s)?)"
 
 # a capitalised name after a self-introduction, or the name of a named relation ("my daughter, Ellie")
 _NAME = r"[A-Z][a-z'’-]+(?:\s+(?:[A-Z][a-z'’-]+|[A-Z]\.)){0,3}"
@@ -108,22 +116,26 @@ _RELATION_AFTER = re.compile(r",?\s+(?i:my|our|the)\s+(?:\w+\s+)?(?:son|daughter
 _NOT_NAMES = frozenset("""i im it its the a an and but so just here there sorry yes no not thanks thank please okay ok
 flat apartment unit room house number order account booking ticket code he's she's they're we're now then
 hello hi hey morning afternoon evening calling ringing writing back still sure very really about afraid glad happy
-hes shes cheers however also ooh ha oh well right
+hes shes cheers however also ooh ha oh well right mum mums dad dads mom moms nan gran granny grandad grandma grandpa
 """.split())
 
 # preference and taboo cues: a clause with one is a candidate. A wish is said to the agent (an imperative, "please",
 # "X is best", "never call me"); the same words describing the world ("I can't find it", "I always forget",
 # "he never checks his email") are not.
-_ACTS = ("call|ring|phone|telephone|email|e-mail|text|txt|message|contact|send|post|write|visit|use|leave|deliver|book|"
-         "put|give|share|charge|knock|bill|keep|come")
 _CHANNEL_VERBS = "call|ring|phone|telephone|email|e-mail|text|txt|message|contact|write|post|letter"
 _OPENER = r"(?:(?:please|pls|just|honestly|and|so|but|also|then|oh)\s+)*"
 _DESCRIBED_NEVER = re.compile(  # "I can never remember", "who never checks his email", "he's never sat in a car"
-    r"\b(?:i|he|she|they|we|who|it|you)(?:'s|'ve|'d|'m)?\s+(?:(?:can|could|have|has|had|just|really|almost|also|still)\s+)?"
+    r"\b(?:i|he|she|they|we|who|it|you)(?:'s|'ve|'d|'m|'ll)?\s+(?:(?:can|could|have|has|had|just|really|almost|also|still)\s+)?"
     r"(?:even\s+)?never\b", re.I)
-_NEVER_DID = re.compile(r"never\s+(?:even\s+)?(?:\w+(?<!s)s|\w+ed)\b", re.I)  # "my husband never checks his email"
+_NEVER_DID = re.compile(  # "my husband never checks his email", "the charge should never have been made"
+    r"never\s+(?:even\s+)?(?:\w+(?<!s)s|\w+ed|have\s+been)\b", re.I)
+# "don't" + a verb is a ban ("please don't place me with a family that keeps cats") unless it says what the user
+# thinks or needs ("don't worry", "I don't know")
+_NOT_A_BAN = (r"(?:know|think|worry|mind|have|need|want|understand|remember|see|get|care|like|feel|bother|panic|mean|"
+              r"recall|really|quite|suppose|believe|expect|forget|seem|tend|usually|always|often|just)\b")
 TABOO_CUES = re.compile(
-    rf"\bnever\b|(?:^{_OPENER}|\bplease\s+)(?:don't|do not|dont)\s+(?:ever\s+)?(?:{_ACTS})\b"
+    rf"\bnever\b|(?:^{_OPENER}|\bplease\s+)(?:don't|do not|dont)\s+(?:ever\s+)?(?!{_NOT_A_BAN})\w+"
+    r"|\bnothing (?:with|containing)\b|^(?:please|absolutely|definitely)\W+(?:no|not)\s+\w+|^no\s.*\bplease\b"
     r"|\b(?:mustn't|must not|please no|avoid|under no circumstances|allerg(?:ic|y) to|"
     r"stop (?:sending|calling|ringing|emailing|texting|phoning))\b"
     r"|\bnot\s+(?:to\s+)?(?:be\s+)?(?:telephoned|phoned|called|rung|contacted|emailed|disturbed|go)\b"
@@ -132,7 +144,7 @@ TABOO_CUES = re.compile(
     r"nuts|dairy|gluten|meat|pork|alcohol|shellfish|eggs)\b", re.I)
 PREFERENCE_CUES = re.compile(
     r"\b(?:prefer(?:ably|red|s)?|rather than|"
-    r"(?:call me|address me as|go by|known as)\s+(?:(?:mr|mrs|ms|miss|dr)\.?\s+)?(?-i:[A-Z])|"
+    r"(?:call me|address me as|addressed as|go by|known as)\s+(?:(?:mr|mrs|ms|miss|dr)\.?\s+)?(?-i:[A-Z])\w*|"
     r"(?:is|are|'s|works?|suits?(?: (?:me|us))?)\s+best|best (?:way|time|number|days?|for (?:me|us))|"
     r"(?:would be|is|are|'s) (?:ideal|better for (?:me|us)|much better)|ideally|suits? (?:me|us)|"
     rf"please (?:always\s+)?(?:{_CHANNEL_VERBS}|use|send|keep|knock|bill|deliver)|"
@@ -141,19 +153,35 @@ PREFERENCE_CUES = re.compile(
     r"in (?:large print|braille)|only want|"
     r"just (?:whatsapp|email|text|post|telegram|signal)|whatsapp|telegram|signal|viber|imessage|wechat|"
     r"(?:letters?|written|correspondence|documents?|speak|language)\b.*\bin (?-i:[A-Z][a-z]+)|"
-    r"window|aisle|sea view|quiet|ground floor|vegetarian|vegan|halal|kosher|gluten-free)\b", re.I)
+    r"window|aisle|sea view|quiet|ground floor|vegetarian|vegan|halal|kosher|gluten-free|"
+    r"\w+ only$|^only (?:if|on|by|the)|(?:any|every|all) \w+ except|"  # "Weekday daytimes only", "any day except"
+    r"^(?!(?:whatever|what|that|which|who)\b)(?:[\w-]+ ){1,3}it is(?:$| for\b))\b", re.I)  # "Midnight it is"
 _IMPERATIVE = re.compile(rf"^{_OPENER}(?:{_CHANNEL_VERBS})\s+(?:me|him|her|us)\b", re.I)  # "text me", "Ring him"
 _CHANNEL_CONTRAST = re.compile(  # "Texts, not calls", "use email not text", "a letter first, then a call"
     rf"\b(?:{_CHANNEL_VERBS})(?:s| message)?(?:,?\s+not\s+(?:by\s+)?|\s+first,?\s+then\s+(?:a\s+)?)"
     rf"(?:{_CHANNEL_VERBS})s?\b", re.I)
 _POLITE_REQUEST = re.compile(  # a short answer with "please": "Shoe covers, please", "manual please"
     r"(?:^|(?<=[.!?:]\s))(?:(?:if possible|no|ok|okay),?\s+)?(?!(?:yes|yeah|thanks|thank)\b)"
-    r"((?:[\w'-]+\s+){0,3}[\w'-]+),?\s+(?:please|pls)(?=\s*[.!]|\s*$)", re.I)
-_RECALL_QUESTION = re.compile(r"\b(?:what|which|where|when|who|how|did i|have i|remind me|i (?:said|told))\b", re.I)
+    r"(?!(?:book|hold|confirm|go ahead|proceed|order|add|check|give|tell|and|but|so|or)\b)"  # "Book it, please"
+    r"((?:[\w'-]+\s+){0,5}[\w'-]+),?\s+(?:please|pls)(?=\s*[.!,]|\s*$)", re.I)
+_PARTY_CONTRAST = re.compile(  # who pays, who is told, whose name: "Bill it to me, not her", "His own PIN, not mine"
+    r"(?:^|(?<=[.!?:;]\s))(?!(?:it's|it is|that's|sorry)\b)([\w'][^.!?;:,\n]{2,60},\s+not\s+(?:to\s+)?"
+    r"(?:me|her|him|them|us|mine|hers|his|ours|theirs|the landlord|my\s+(?:personal|own|work|home)\s+\w+))\b", re.I)
+_RECALL_QUESTION = re.compile(r"\b(?:what|which|where|when|who|how|did i|have i|is there|are there|remind me|"
+                              r"i (?:said|told))\b", re.I)
 # "if he must call me": not the wish itself (a longer one is a run-on sentence that goes on to the wish)
 _CONDITION = re.compile(r"^(?:if|when|whether|what if|in case)\b", re.I)
 _CLAUSE = re.compile(r"(?:[^.!?;:,()\n—–]|[.,:](?=\w))+")  # "jo.bell@example.org", "£1,850" stay whole
 _LEADING = re.compile(r"^(?:and|but|or|so|also|then)\s+", re.I)
+# a reply that asks the user to choose or to say what they want ("Would you like to pay in one go or monthly?",
+# "Which suits you?"): a short answer to it is a preference though it has no cue word ("Bank transfer.")
+_WISH_QUESTION = re.compile(r"\b(?:prefer|rather|would you like|do you want|how would you like|which|suits?|"
+                            r"what time|when would|would (?:\w+\s+){1,3}be (?:easier|better))\b[^.!?\n]*\?", re.I)
+_SHORT_ANSWER = re.compile(  # the first sentence, up to six words, that is not a yes, a thanks or a count
+    rf"^\s*(?!(?:yes|yeah|yep|yup|ye|no|nope|nah|ok|okay|sure|thanks|thank|great|perfect|lovely|fine|right|sorry|hi|"
+    rf"hello|hang|um|erm|hmm|please|pls|either|both|neither|{_NUMBER_WORDS}|\d)\b)"
+    r"((?=[^.!?\n]*[a-z])(?:[\w'&/+-]+,?\s+){0,5}?[\w'&/+-]+?)(?:,?\s+(?:please|pls|thanks|thank you))?"
+    r"\s*(?:[.!]+(?=\s|$)|$)", re.I)
 
 
 def _clauses(text: str) -> list[tuple[int, int]]:
@@ -161,7 +189,7 @@ def _clauses(text: str) -> list[tuple[int, int]]:
     pieces = []
     for match in _CLAUSE.finditer(text):
         start, end = match.start(), match.end()
-        for sub in re.split(r"\s+(?:but|because|although|though|so|as)\s+", text[start:end]):
+        for sub in re.split(r"\s+(?:but|because|although|though|so|(?<!addressed )(?<!known )as)\s+", text[start:end]):
             offset = text.index(sub, start) if sub else start
             lead = len(sub) - len(sub.lstrip())
             trimmed = sub.strip()
@@ -231,19 +259,25 @@ def refine(text: str, start: int, attribute: str) -> str:
     return attribute if qualifier == attribute else f"{qualifier} {attribute}"
 
 
-def cue_clauses(text: str) -> list[tuple[int, int, str]]:
+def cue_clauses(text: str, prompt: str | None = None) -> list[tuple[int, int, str]]:
     """Clauses with a preference or taboo cue, as (start, end, type by the cue rules); none from a question
-    about what was said ("when did I say not to call?") or from an if-clause."""
+    about what was said ("when did I say not to call?") or from an if-clause. `prompt`, the agent's reply
+    before the turn: where it asks what the user wants, a short first sentence answers it ("Payment link.")."""
     out = []
+    answer = _SHORT_ANSWER.match(text) if prompt and _WISH_QUESTION.search(prompt) else None
+    if answer:
+        out.append((answer.start(1), answer.end(1), "preference"))
     for start, end in _clauses(text):
         clause = text[start:end]
         if (_CONDITION.match(clause) and len(clause.split()) <= 12) or _recall_question(text, start, end):
             continue
         if _taboo_cue(clause):
+            out = [c for c in out if not (c[0] < end and start < c[1])]  # "Not a Wednesday": the cue says which
             out.append((start, end, "taboo"))
-        elif PREFERENCE_CUES.search(clause) or _IMPERATIVE.match(clause):
+        elif (PREFERENCE_CUES.search(clause) or _IMPERATIVE.match(clause)) and not any(
+                start < e and s < end for s, e, _ in out):
             out.append((start, end, "preference"))
-    for pattern in (_CHANNEL_CONTRAST, _POLITE_REQUEST):
+    for pattern in (_CHANNEL_CONTRAST, _POLITE_REQUEST, _PARTY_CONTRAST):
         for match in pattern.finditer(text):
             start, end = match.span(match.lastindex or 0)
             if not any(start < e and s < end for s, e, _ in out):
@@ -344,32 +378,43 @@ class PersistenceMarker:
     def default(cls) -> "PersistenceMarker":
         return cls(default_model())
 
-    def mark(self, text: str) -> list[Span]:
+    def mark(self, text: str, prompt: str | None = None) -> list[Span]:
+        """The turn's spans; `prompt`, the agent's reply before it (None: unknown), lets a short answer to a
+        question about what the user wants count as a preference."""
         spans = value_spans(text)
-        candidates = cue_clauses(text)
+        candidates = cue_clauses(text, prompt)
         verdicts = self.model.predict([text[s:e] for s, e, _ in candidates]) if self.model else [t for *_, t in candidates]
         wishes = [Span(start, end, text[start:end], verdict, channel(text[start:end]) or verdict)
                   for (start, end, _), verdict in zip(candidates, verdicts) if verdict in ("preference", "taboo")]
-        # a time inside a wish is part of it ("never before 10am"), not an appointment
-        spans = [s for s in spans if s.attribute != "time" or not any(s.overlaps(w) for w in wishes)]
+        # a time inside a wish is part of it ("never before 10am"), not an appointment; a wish that is only the
+        # time ("2pm." to "Which suits you?") is the appointment
+        spans = [s for s in spans if s.attribute != "time" or not any(
+            s.overlaps(w) and len(w.text.split()) > len(s.text.split()) for w in wishes)]
         wishes = [w for w in wishes if not _gives_value(w, spans)]
+        # "please call me Mo": how to be addressed, which the wish keeps whole
+        spans = [s for s in spans if not any(w.attribute == "form of address" and s.overlaps(w) for w in wishes)]
         return sorted(spans + wishes, key=lambda s: (s.start, -s.end))
 
-    def mark_dialogue(self, texts: list[str]) -> list[list[Span]]:
+    def mark_dialogue(self, texts: list[str], replies: list[str | None] | None = None) -> list[list[Span]]:
         """Each user turn's spans, a value only where the dialogue first states it: a name, number or date
         mentioned again is not a new fact to keep (the annotated dialogues mark a value once, where it is
-        first given). Preferences and taboos are clauses, kept wherever they are said."""
+        first given). Preferences and taboos are clauses, kept wherever they are said. `replies[i]`: the
+        agent's reply before turn i (None for the first turn), the question a short answer answers."""
         seen: set[str] = set()
         said = ""  # the dialogue so far: a value in it was stated before, marked or not ("like Admiral")
-        out = []
-        for text in texts:
+        named = ""  # the agent's replies: a name they gave first is theirs ("Can Kieran do it?"); a date, a code or
+        out = []    # an amount they offered is the user's once the user takes it ("Take C-112.")
+        for index, text in enumerate(texts):
+            prompt = replies[index] if replies else None
+            named += (prompt or "").lower() + "\n"
             spans = []
-            for span in self.mark(text):
+            for span in self.mark(text, prompt):
                 if span.type in ("preference", "taboo"):
                     spans.append(span)
                     continue
                 key = _value_key(span.text)
-                if key not in seen and not re.search(rf"(?<!\w){re.escape(key)}(?!\w)", said):
+                before = said + named if span.attribute.endswith("name") else said
+                if key not in seen and not re.search(rf"(?<!\w){re.escape(key)}(?!\w)", before):
                     spans.append(span)
                 seen.add(key)
                 if span.attribute in ("name", "related name", "proper name"):  # "Freya" after "Freya Moreau"
@@ -384,7 +429,7 @@ def _gives_value(wish: Span, values: list[Span]) -> bool:
     please"): the value's span keeps it."""
     inside = [v for v in values if wish.start <= v.start and v.end <= wish.end]
     rest = len(wish.text.split()) - sum(len(v.text.split()) for v in inside)
-    return wish.type == "preference" and bool(inside) and rest <= 5
+    return wish.type == "preference" and wish.attribute != "form of address" and bool(inside) and rest <= 5
 
 
 def _value_key(value: str) -> str:
@@ -395,7 +440,7 @@ def _value_key(value: str) -> str:
 _CHANNELS = re.compile(r"\b(email|e-mail|text|sms|phone|call|ring|post|letter|whatsapp|app|voicemail)", re.I)
 
 
-_FORM_OF_ADDRESS = re.compile(r"\b(?i:call me|address me as|go by|known as)\s+(?:(?i:mr|mrs|ms|miss|dr)\.?\s+)?[A-Z]")
+_FORM_OF_ADDRESS = re.compile(r"\b(?i:call me|address me as|addressed as|go by|known as)\s+(?:(?i:mr|mrs|ms|miss|dr)\.?\s+)?[A-Z]")
 
 
 def channel(clause: str) -> str | None:

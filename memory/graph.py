@@ -164,6 +164,7 @@ class EntityGraph:
         self.entities: dict[str, Entity] = {}
         self.facts: list[Fact] = []
         self.resolutions: dict[int, list[Resolution]] = {}
+        self.last_reply: str | None = None  # what a short answer in the next user turn answers ("Bank transfer.")
 
     # --- building ------------------------------------------------------------------------------
     def observe(self, turn: int, text: str) -> tuple[list[Span], list[Resolution]]:
@@ -171,7 +172,7 @@ class EntityGraph:
         and facts. Returns the persistent spans marked and the resolutions."""
         text = text.replace("\u2019", "'")
         resolved = self.resolve(turn, text)
-        spans = self.marker.mark(text)
+        spans = self.marker.mark(text, self.last_reply)
         self._mention(turn, text, "user", spans)
         for resolution, entity in resolved:  # a referent is mentioned again (but not named: not an antecedent)
             entity.mentions.append((turn, REFERRED))
@@ -183,6 +184,7 @@ class EntityGraph:
     def mention(self, turn: int, text: str) -> None:
         """A reply: its named entities gain salience (replies name what "it" will refer to)."""
         text = text.replace("\u2019", "'")
+        self.last_reply = text
         self._mention(turn, text, "assistant", value_spans(text))  # a reply's cue clauses are not the user's wishes
 
     def _mention(self, turn: int, text: str, role: str, spans: list[Span]) -> None:
@@ -471,7 +473,8 @@ class EntityGraph:
         return {"graph": nx.node_link_data(self.graph, edges="edges"),
                 "entities": [{**asdict(e), "aliases": sorted(e.aliases)} for e in self.entities.values()],
                 "facts": [asdict(fact) for fact in self.facts],
-                "resolutions": {turn: [r.as_dict() for r in found] for turn, found in self.resolutions.items()}}
+                "resolutions": {turn: [r.as_dict() for r in found] for turn, found in self.resolutions.items()},
+                "last_reply": self.last_reply}
 
     @classmethod
     def from_state(cls, state: dict, marker: PersistenceMarker | None = None) -> "EntityGraph":
@@ -483,6 +486,7 @@ class EntityGraph:
             graph.entities[entity.key] = entity
         graph.facts = [Fact(**fields) for fields in state["facts"]]
         graph.resolutions = {int(turn): [Resolution(**r) for r in found] for turn, found in state["resolutions"].items()}
+        graph.last_reply = state.get("last_reply")  # absent in sessions saved before it was kept
         return graph
 
     def current_facts(self) -> list[Fact]:
@@ -575,7 +579,7 @@ def _prior(entity: Entity, word: str | None) -> float:
 def _single_valued(attribute: str) -> bool:
     """Attributes a user has one of at a time: a switch to a new one replaces it even without "not X"
     (preferences accumulate: a later one does not cancel an earlier one unless it denies it)."""
-    return attribute in ("address", "postcode", "email", "name", "phone", "mobile phone")
+    return attribute in ("address", "postcode", "flat", "email", "name", "phone", "mobile phone")
 
 
 def _piece_at(value: str, piece: str) -> int:

@@ -86,3 +86,72 @@ def test_a_restated_value_is_not_marked_again_but_a_wish_is():
     assert ("identity", "44817263") in {(s.type, s.text) for s in spans[0]}
     assert [s.type for s in spans[1]] == ["taboo"]
     assert not any(s.type == "identity" for s in spans[3])  # said before, even where it was not marked
+
+
+CHOICE = "We can take a card on the day, or email you a payment link. Which would you prefer?"
+
+
+@pytest.mark.parametrize("answer,wish", [("Payment link.", "Payment link"), ("Bank transfer, please.", "Bank transfer"),
+                                         ("Mornings. I'm out after lunch.", "Mornings")])
+def test_a_short_answer_to_a_question_about_what_the_user_wants_is_a_preference(answer, wish):
+    assert ("preference", wish) in {(s.type, s.text) for s in MARKER.mark(answer, prompt=CHOICE)}
+
+
+@pytest.mark.parametrize("answer,prompt", [("Payment link.", None), ("Payment link.", "The engineer arrives at nine."),
+                                           ("Yes please.", CHOICE), ("Two years.", "How many years would you like?")])
+def test_without_a_question_about_a_wish_or_with_a_yes_or_a_count_a_short_answer_is_not_one(answer, prompt):
+    assert not any(s.type == "preference" for s in MARKER.mark(answer, prompt=prompt))
+
+
+def test_a_short_answer_that_is_only_a_time_is_the_time():
+    assert [(s.type, s.text) for s in MARKER.mark("2pm.", prompt="Which suits you, 10am or 2pm?")] == [("date", "2pm")]
+
+
+def test_mark_dialogue_passes_each_turn_the_reply_before_it():
+    turns, replies = ["I'd like to pay the balance.", "Payment link."], [None, CHOICE]
+    assert [s.text for s in MARKER.mark_dialogue(turns, replies=replies)[1]] == ["Payment link"]
+    assert MARKER.mark_dialogue(turns)[1] == []
+
+
+def test_a_name_the_agent_gave_first_is_not_the_users_fact():
+    turns, replies = ["When is the visit?", "Can Kieran bring the part?"], [None, "Kieran will come on Monday."]
+    assert MARKER.mark_dialogue(turns, replies=replies)[1] == []
+    assert [s.text for s in MARKER.mark_dialogue(turns)[1]] == ["Kieran"]
+
+
+@pytest.mark.parametrize("text,wish", [("Weekday daytimes only, evenings are work.", "Weekday daytimes only"),
+                                       ("Any day except a Friday though.", "Any day except a Friday though"),
+                                       ("Midnight it is for the doors.", "Midnight it is for the doors"),
+                                       ("Bill it to me, not her.", "Bill it to me, not her"),
+                                       ("Induction hob please, definitely not gas.", "Induction hob")])
+def test_wishes_without_prefer_or_please_at_the_end(text, wish):
+    assert ("preference", wish) in marked(text)
+
+
+@pytest.mark.parametrize("text", ["Please do not place me with a family that keeps cats.",
+                                  "Nothing with nuts, one of the investors has an allergy.",
+                                  "Absolutely no wood anywhere near the cooking."])
+def test_more_ways_to_say_a_taboo(text):
+    assert of_type(text, "taboo")
+
+
+@pytest.mark.parametrize("text", ["Don't worry, I'll wait.", "The charge should never have been made.",
+                                  "Is there any number you mustn't use?", "Book it, please."])
+def test_not_taboos_or_preferences(text):
+    assert not any(kind in ("taboo", "preference") for kind, _ in marked(text))
+
+
+def test_a_form_of_address_is_a_preference_not_a_name():
+    assert marked("Oh, and please call me Mo.") == {("preference", "please call me Mo")}
+    assert ("preference", "I expect to be addressed as Mrs Corrigan") in marked(
+        "I expect to be addressed as Mrs Corrigan, not by my first name.")
+
+
+def test_day_abbreviations_and_family_words_are_not_names():
+    assert of_type("Mon, Tues and Thurs ideally, and Mum can do Fridays.", "identity") == []
+
+
+def test_flats_and_lower_case_addresses():
+    assert of_type("flat 2, 41 mercer st, brackley nn13 6hd", "address") == ["flat 2, 41 mercer st, brackley nn13 6hd"]
+    assert of_type("Correction: it's Flat 14, not Flat 4.", "address") == ["Flat 14"]
+    assert of_type("Gate PIN 5174 is too close to my card PIN.", "address") == []

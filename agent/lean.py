@@ -1,0 +1,106 @@
+"""A lean forward of a Llama model over the managed stores, for prefill and decode alike.
+
+Why: decoding one token of a 135M model on a CPU does about 9 ms of arithmetic, and transformers'
+forward adds about as much again of per-call machinery (module hooks, kwargs plumbing and deprecation
+wrappers on every layer, a mask built and thrown away, output dataclasses). This is gpt-fast's shape:
+the layer loop on one screen, calling the same modules' arithmetic directly (their `forward`, not
+`__call__`), with attention done by the palace attention over each piece's store, as under
+transformers. On the CPU the output layer reads int8 codes where they hold its weights exactly (the
+embedded model's tied embedding was stored as GGUF Q8_0: agent/qlinear.Q8Head), a quarter of the bytes.
+The arithmetic is otherwise transformers' own, in its order, so the logits agree to float rounding;
+transformers' forward stays the reference path (`PALACE_LEAN=0`, and every family but Llama), and a
+test holds the two to the same logits and greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from agent.qlinear import Q8Head
+from cache import native
+from cache.attention import Piece, palace_attention
+
+FAMILIES = ("llama",)  # same layer shape as transformers' LlamaDecoderLayer, nothing added
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's pieces, bound once: the norms' weights and the linear layers' forwards."""
+
+    attention: torch.nn.Module  # for its layer_idx and scaling, which the palace attention reads
+    norm_in: tuple[torch.Tensor, float]
+    norm_post: tuple[torch.Tensor, float]
+    q: Callable[[torch.Tensor], torch.Tensor]
+    k: Callable[[torch.Tensor], torch.Tensor]
+    v: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+class LeanLlama:
+    """The model's forward over `kv_pieces`, returning the logits at `keep` only."""
+
+    def __init__(self, model: torch.nn.Module):
+        inner = model.model
+        self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
+        head = Q8Head.lossless(model.lm_head) if model.lm_head.weight.device.type == "cpu" and native.q8_fast() else None
+        self.head = (head or model.lm_head).forward  # int8 where that is exact: a quarter of the bytes per token
+        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.layers = [_Layer(layer.self_attn, (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                              (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                              layer.self_attn.q_proj.forward, layer.self_attn.k_proj.forward,
+                              layer.self_attn.v_proj.forward, layer.self_attn.o_proj.forward, layer.mlp.gate_proj.forward,
+                              layer.mlp.up_proj.forward, layer.mlp.down_proj.forward, layer.mlp.act_fn)
+                       for layer in inner.layers]
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], keep: torch.Tensor) -> torch.Tensor:
+        """ids and positions [1, n]; the logits [len(keep), vocab]."""
+        hidden = torch.nn.functional.embedding(ids, self.embed)
+        cos, sin = self.rotary(hidden, position_ids=positions)
+        shape = (*hidden.shape[:-1], -1, self.head_dim)
+        for layer in self.layers:
+            normed = _rms_norm(hidden, *layer.norm_in)
+            query = layer.q(normed).view(shape).transpose(1, 2)
+            key = layer.k(normed).view(shape).transpose(1, 2)
+            value = layer.v(normed).view(shape).transpose(1, 2)
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+            out, _ = palace_attention(layer.attention, query, key, value, None, scaling=layer.attention.scaling,
+                                      kv_pieces=pieces)
+            hidden = hidden + layer.o(out.reshape(*hidden.shape[:-1], -1))
+            normed = _rms_norm(hidden, *layer.norm_post)
+            hidden = hidden + layer.down(layer.act(layer.gate(normed)) * layer.up(normed))
+        return self.head(_rms_norm(hidden[:, keep], *self.norm))[0]
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic: in float32, back to the input's dtype before the weight."""
+    wide = hidden.to(torch.float32)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(hidden.dtype)
+
+
+_BUILT: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, ...], LeanLlama]]" = weakref.WeakKeyDictionary()
+
+
+def lean_forward(model: torch.nn.Module) -> LeanLlama | None:
+    """The model's lean forward, or None where transformers' forward is the path: another family, or
+    PALACE_LEAN=0. Built once per model and rebuilt if its linear layers were swapped since (quantized in
+    place); kept outside the model, so a deep copy does not carry one bound to the original."""
+    if os.environ.get("PALACE_LEAN", "1") == "0" or model.config.model_type not in FAMILIES:
+        return None
+    layers = model.model.layers
+    modules = (id(layers[0].self_attn.q_proj), id(layers[-1].mlp.down_proj), id(model.lm_head))  # what a swap replaces
+    built = _BUILT.get(model)
+    if built is None or built[0] != modules:
+        built = _BUILT[model] = (modules, LeanLlama(model))
+    return built[1]

@@ -1,0 +1,99 @@
+"""The engine's lean forward (agent/lean.py) against transformers' forward under the same attention, and
+the int8 output layer (agent/qlinear.Q8Head, agent/weight_kernels.c) against the float matmul it
+replaces: same logits to float rounding, same greedy tokens, on the tiny random Llama and the embedded
+model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from agent.engine import SamplingConfig, decode, forward_forks, prefill
+from agent.lean import lean_forward
+from agent.qlinear import Q8Head
+from cache import native
+from tests.helpers import store_for
+
+
+def run(model, monkeypatch, lean: bool, ids: list[int], new: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill `ids` in two turns, then decode `new` greedy tokens; the logits after each step and the tokens."""
+    monkeypatch.setenv("PALACE_LEAN", "1" if lean else "0")
+    assert (lean_forward(model) is not None) == lean
+    store = store_for(model)
+    logits = [prefill(model, store, ids[: len(ids) // 2], 0, "user", 0).clone(),
+              prefill(model, store, ids[len(ids) // 2:], 1, "user", 1).clone()]
+    tokens = []
+    for token in decode(model, store, [], SamplingConfig(max_new_tokens=new), 1, 1):
+        tokens.append(token)
+        logits.append(store.next_logits.clone())
+    return logits, tokens
+
+
+def test_lean_forward_equals_transformers_forward_on_the_tiny_model(tiny, monkeypatch):
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    want_logits, want_tokens = run(tiny, monkeypatch, False, ids, 12)
+    got_logits, got_tokens = run(tiny, monkeypatch, True, ids, 12)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_forward_scores_packed_forks_like_transformers(tiny, monkeypatch):
+    """forward_forks (several stores' candidates in one packed forward, as scoring does) through both paths."""
+    prompt, ids = list(range(3, 30)), [[40, 41, 42], [50, 51]]
+    results = []
+    for lean in (False, True):
+        monkeypatch.setenv("PALACE_LEAN", "1" if lean else "0")
+        stores = [store_for(tiny), store_for(tiny)]
+        for store in stores:
+            prefill(tiny, store, prompt, 0, "user", 0)
+        with stores[0].fork(), stores[1].fork():
+            for store, seq in zip(stores, ids):
+                store.expect(len(seq), 0, "assistant", -1, seq)
+            positions = [torch.arange(len(prompt), len(prompt) + len(seq)) for seq in ids]
+            results.append(forward_forks(tiny, stores, ids, positions, [None, None]))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(embedded, monkeypatch):
+    ids = embedded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
+                             add_special_tokens=False)["input_ids"]
+    want_logits, want_tokens = run(embedded.model, monkeypatch, False, ids, 24)
+    got_logits, got_tokens = run(embedded.model, monkeypatch, True, ids, 24)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_the_embedded_output_layer_is_int8_without_loss(embedded):
+    """Its tied embedding was stored as GGUF Q8_0: codes times scales give back every float32 weight."""
+    head = Q8Head.lossless(embedded.model.lm_head)
+    assert head is not None and head.codes.dtype == torch.int8
+    assert head.weight is embedded.model.model.embed_tokens.weight  # shared, not copied
+    groups = head.codes.float().reshape(head.out_features, -1, 32) * head.scales[..., None]
+    assert torch.equal(groups.reshape(head.out_features, -1), embedded.model.lm_head.weight.detach())
+
+
+def test_weights_that_int8_does_not_hold_exactly_stay_float():
+    linear = nn.Linear(64, 16, bias=False)
+    assert Q8Head.lossless(linear) is None
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-127, 128, (16, 64)).float() * 0.03125)  # a power of two: exact
+        linear.weight[:, ::32] = 127 * 0.03125  # each group's largest code is 127, as Q8_0 makes it
+    assert Q8Head.lossless(linear) is not None
+    assert Q8Head.lossless(nn.Linear(64, 16, bias=True)) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_int8_kernel_equals_the_float_matmul(rows):
+    """Every row count decode and lockstep evaluation use (11: more than one pass of 8), 64 outputs a block
+    and a ragged last block."""
+    generator = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-127, 128, (200, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(200, 3, generator=generator) * 0.02
+    x = torch.randn(rows, 96, generator=generator) * 3
+    want = x @ (codes.float().reshape(200, 3, 32) * scales[..., None]).reshape(200, 96).T
+    got = native.q8_matmul(x, codes, scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
