@@ -172,9 +172,10 @@ def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     assert set(data["runs"][0]) == {
         "policy", "budget_tokens", "kv_dtype", "mode", "probes", "accuracy", "by_kind", "by_tag",
         "far_probes", "far_accuracy", "far_by_kind", "evidence_retention", "kv_bytes_peak", "kv_bytes_mean",
-        "full_kv_bytes_peak", "ttft_ms_p50", "ttft_ms_p95", "reinjected_per_turn", "memory_ms_p50", "memory_ms_p95",
-        "decode_ms_per_token", "wall_s"}
+        "full_kv_bytes_peak", "ttft_ms_p50", "ttft_ms_p95", "ttft_late_over_early", "reinjected_per_turn",
+        "memory_ms_p50", "memory_ms_p95", "decode_ms_per_token", "wall_s"}
     assert data["runs"][0]["memory_ms_p95"] is None and data["runs"][0]["reinjected_per_turn"] is None  # no memory
+    assert data["runs"][0]["ttft_late_over_early"] is None  # 12 turns: nothing timed late
     assert set(data["per_turn"][0]) == {"policy", "dialogue", "turn", "kv_tokens", "kv_bytes", "ttft_ms", "reinjected",
                                         "memory_ms"}
     assert len(data["per_turn"]) == 2 * 12
@@ -228,3 +229,12 @@ def test_hybrid_topics_evicts_whole_topic_segments_within_budget(loaded, dialogu
     result = evaluate(loaded, dialogues, EvalConfig(["hybrid", "hybrid+topics"], Budget(128, percent=False)))
     topics = run_of(result, "hybrid+topics")
     assert max(sample.kv_tokens for sample in topics.turns) <= 128 and len(topics.probes) == len(run_of(result, "hybrid").probes)
+
+
+def test_time_to_first_token_late_over_early_compares_probe_turns_40_on_with_those_before_20():
+    from agent.eval.results import PolicyRun, TurnSample
+
+    run = PolicyRun("full", None, "float32", "teacher")
+    run.turns = [TurnSample("full", "d", turn, 0, 0, ms) for turn, ms in
+                 ((3, 10.0), (18, 14.0), (9, None), (25, 99.0), (41, 15.0), (49, 21.0), (48, None))]
+    assert run.summary(0)["ttft_late_over_early"] == pytest.approx(18.0 / 12.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from rich.table import Table
 
-from agent.eval.results import FAR, EvalResult
+from agent.eval.results import EARLY, FAR, LATE, EvalResult
 
 MIB = 1024 * 1024
 
@@ -48,6 +48,7 @@ def measures(summaries: list[dict]) -> list[tuple[str, list[str]]]:
         ("KV mean (MiB)", "mib", lambda s: s["kv_bytes_mean"]),
         ("TTFT p50 (ms)", "ms", lambda s: s["ttft_ms_p50"]),
         ("TTFT p95 (ms)", "ms", lambda s: s["ttft_ms_p95"]),
+        (f"TTFT turns {LATE}+ / <{EARLY}", "ratio", lambda s: s.get("ttft_late_over_early")),
         *([("re-injected tokens/turn", "ms", lambda s: s["reinjected_per_turn"]),
            ("memory p50 (ms/turn)", "ms", lambda s: s["memory_ms_p50"]),
            ("memory p95 (ms/turn)", "ms", lambda s: s["memory_ms_p95"])] if memory else []),

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 FAR = 20  # turns: a probe whose newest evidence is at least this far back tests long-range memory
+EARLY, LATE = 20, 40  # turns: time to first token late in a dialogue (40 on) against early (before 20: probes start at 15)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class TurnSample:
 
 def _mean(values: list) -> float | None:
     return float(np.mean(values)) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _grouped(records: list[ProbeRecord], keys) -> dict[str, float]:
@@ -94,6 +99,8 @@ class PolicyRun:
             "full_kv_bytes_peak": full_kv_bytes_peak,
             "ttft_ms_p50": float(np.percentile(ttfts, 50)) if ttfts else None,
             "ttft_ms_p95": float(np.percentile(ttfts, 95)) if ttfts else None,
+            "ttft_late_over_early": _ratio(_mean([t.ttft_ms for t in self.turns if t.ttft_ms is not None and t.turn >= LATE]),
+                                           _mean([t.ttft_ms for t in self.turns if t.ttft_ms is not None and t.turn < EARLY])),
             "reinjected_per_turn": _mean([t.reinjected for t in memory]),
             "memory_ms_p50": float(np.percentile([t.memory_ms for t in memory], 50)) if memory else None,
             "memory_ms_p95": float(np.percentile([t.memory_ms for t in memory], 95)) if memory else None,
