@@ -53,9 +53,14 @@ class Int4Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), self.packed, self.group, self.scales_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = self.product(x, self.packed, self.scales_zeros, self.group)
         return y if self.bias is None else y + self.bias
+
+    @staticmethod
+    def product(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+        """x times packed int4 weights (torch's CPU layout), in x's dtype and shape but the last axis."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), packed, group, scales_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], packed.shape[0])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, bias={self.bias is not None}"

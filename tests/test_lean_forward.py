@@ -67,6 +67,26 @@ def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(emb
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
+def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, monkeypatch):
+    """int4 weights: queries, keys and values in one product, gate and up in another, the modules' codes views
+    into the fused ones (so transformers' forward still reads the same), and the same logits either way."""
+    from agent.model import quantize_linear_int4
+
+    model = quantize_linear_int4(embedded.model)
+    ids = embedded.tokenizer("My order KL-20931 never came, the tracking says delivered to a safe place",
+                             add_special_tokens=False)["input_ids"]
+    want_logits, want_tokens = run(model, monkeypatch, False, ids, 12)
+    got_logits, got_tokens = run(model, monkeypatch, True, ids, 12)
+    attention = model.model.layers[0].self_attn
+    assert attention.k_proj.packed.data_ptr() > attention.q_proj.packed.data_ptr()  # views into one fused buffer
+    assert attention.k_proj.packed.untyped_storage().data_ptr() == attention.q_proj.packed.untyped_storage().data_ptr()
+    again_logits, again_tokens = run(model, monkeypatch, False, ids, 12)  # transformers' forward on the views
+    assert got_tokens == want_tokens == again_tokens
+    for got, want, again in zip(got_logits, want_logits, again_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
 def test_the_embedded_output_layer_is_int8_without_loss(embedded):
     """Its tied embedding was stored as GGUF Q8_0: codes times scales give back every float32 weight."""
     head = Q8Head.lossless(embedded.model.lm_head)
