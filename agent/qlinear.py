@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cache import native
+
 GROUP = 32  # Q4_1's group size along the input dimension
 DECODE_ROWS = 8  # at most this many rows go to the output layer's int8 kernel (decode); more use the float matmul
 ACT = torch.bfloat16  # the activation dtype torch's fast int4/int8 CPU kernels take (float32 falls back to a slow path)
@@ -116,8 +118,6 @@ class Q8Head(nn.Module):
         return cls(linear, codes.to(torch.int8).reshape(weight.shape).contiguous(), scales.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from cache import native
-
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > DECODE_ROWS or not native.available(x):
             return nn.functional.linear(x, self.weight)

@@ -124,6 +124,7 @@ hes shes cheers however also ooh ha oh well right mum mums dad dads mom moms nan
 # "he never checks his email") are not.
 _CHANNEL_VERBS = "call|ring|phone|telephone|email|e-mail|text|txt|message|contact|write|post|letter"
 _OPENER = r"(?:(?:please|pls|just|honestly|and|so|but|also|then|oh)\s+)*"
+_ADDRESS = r"(?:call me|address me as|addressed as|go by|known as)\s+(?:(?:mr|mrs|ms|miss|dr)\.?\s+)?"  # + a name
 _DESCRIBED_NEVER = re.compile(  # "I can never remember", "who never checks his email", "he's never sat in a car"
     r"\b(?:i|he|she|they|we|who|it|you)(?:'s|'ve|'d|'m|'ll)?\s+(?:(?:can|could|have|has|had|just|really|almost|also|still)\s+)?"
     r"(?:even\s+)?never\b", re.I)
@@ -144,7 +145,7 @@ TABOO_CUES = re.compile(
     r"nuts|dairy|gluten|meat|pork|alcohol|shellfish|eggs)\b", re.I)
 PREFERENCE_CUES = re.compile(
     r"\b(?:prefer(?:ably|red|s)?|rather than|"
-    r"(?:call me|address me as|addressed as|go by|known as)\s+(?:(?:mr|mrs|ms|miss|dr)\.?\s+)?(?-i:[A-Z])\w*|"
+    rf"{_ADDRESS}(?-i:[A-Z])\w*|"
     r"(?:is|are|'s|works?|suits?(?: (?:me|us))?)\s+best|best (?:way|time|number|days?|for (?:me|us))|"
     r"(?:would be|is|are|'s) (?:ideal|better for (?:me|us)|much better)|ideally|suits? (?:me|us)|"
     rf"please (?:always\s+)?(?:{_CHANNEL_VERBS}|use|send|keep|knock|bill|deliver)|"
@@ -259,6 +260,11 @@ def refine(text: str, start: int, attribute: str) -> str:
     return attribute if qualifier == attribute else f"{qualifier} {attribute}"
 
 
+def _taken(start: int, end: int, clauses: list[tuple[int, int, str]]) -> bool:
+    """Whether [start, end) overlaps one of the clauses already found."""
+    return any(start < e and s < end for s, e, _ in clauses)
+
+
 def cue_clauses(text: str, prompt: str | None = None) -> list[tuple[int, int, str]]:
     """Clauses with a preference or taboo cue, as (start, end, type by the cue rules); none from a question
     about what was said ("when did I say not to call?") or from an if-clause. `prompt`, the agent's reply
@@ -272,15 +278,14 @@ def cue_clauses(text: str, prompt: str | None = None) -> list[tuple[int, int, st
         if (_CONDITION.match(clause) and len(clause.split()) <= 12) or _recall_question(text, start, end):
             continue
         if _taboo_cue(clause):
-            out = [c for c in out if not (c[0] < end and start < c[1])]  # "Not a Wednesday": the cue says which
+            out = [c for c in out if not _taken(start, end, [c])]  # "Not a Wednesday": the cue says which
             out.append((start, end, "taboo"))
-        elif (PREFERENCE_CUES.search(clause) or _IMPERATIVE.match(clause)) and not any(
-                start < e and s < end for s, e, _ in out):
+        elif (PREFERENCE_CUES.search(clause) or _IMPERATIVE.match(clause)) and not _taken(start, end, out):
             out.append((start, end, "preference"))
     for pattern in (_CHANNEL_CONTRAST, _POLITE_REQUEST, _PARTY_CONTRAST):
         for match in pattern.finditer(text):
             start, end = match.span(match.lastindex or 0)
-            if not any(start < e and s < end for s, e, _ in out):
+            if not _taken(start, end, out):
                 out.append((start, end, "preference"))
     return sorted(out)
 
@@ -440,7 +445,7 @@ def _value_key(value: str) -> str:
 _CHANNELS = re.compile(r"\b(email|e-mail|text|sms|phone|call|ring|post|letter|whatsapp|app|voicemail)", re.I)
 
 
-_FORM_OF_ADDRESS = re.compile(r"\b(?i:call me|address me as|addressed as|go by|known as)\s+(?:(?i:mr|mrs|ms|miss|dr)\.?\s+)?[A-Z]")
+_FORM_OF_ADDRESS = re.compile(rf"\b(?i:{_ADDRESS})[A-Z]")
 
 
 def channel(clause: str) -> str | None:
