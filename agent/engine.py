@@ -138,9 +138,17 @@ def prefill(model, store: KVStore, ids: list[int], turn: int, role: str, segment
     return store.next_logits
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the first maximum. On the CPU through numpy: 3 us over this vocabulary, where
+    torch.argmax takes 60-130 us, as long as an int4 layer's products."""
+    if logits.device.type == "cpu":
+        return int(logits.detach().float().reshape(-1).numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
     if config.temperature <= 0:
-        return int(torch.argmax(logits))
+        return greedy(logits)
     logits = logits / config.temperature
     if config.top_k > 0:
         kth = torch.topk(logits, min(config.top_k, logits.numel())).values[-1]

@@ -22,29 +22,96 @@ from typing import Callable
 
 import torch
 
-from agent.qlinear import GROUP, Int4Linear, Q8Head
+from agent.qlinear import Int4Linear, Q8Head
 from cache import native
 from cache.attention import Piece, palace_attention
 
 FAMILIES = ("llama",)  # same layer shape as transformers' LlamaDecoderLayer, nothing added
 
 
-Linear = Callable[[torch.Tensor], torch.Tensor]
+
+@dataclass
+class _Rotation:
+    """One forward's rotary angles: cos and sin [n, head_dim] per position, and for torch's arithmetic
+    [1, 1, n, head_dim] with sin negated in its first half (rotate_half(x) * sin is x rolled by half a head
+    times that)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos_heads: torch.Tensor
+    signed_sin_heads: torch.Tensor
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> "_Rotation":
+        half = cos.shape[-1] // 2
+        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cls(cos[0].float().contiguous(), sin[0].float().contiguous(), cos.unsqueeze(1), signed.unsqueeze(1))
 
 
 @dataclass
 class _Layer:
-    """One decoder layer's pieces, bound once: the norms' weights and the linear layers' forwards, queries,
-    keys and values in one product, the gate and up projections in another."""
+    """One decoder layer's arithmetic around attention, bound once. `before`: the stream's RMS norm, queries,
+    keys and values in one product, queries and keys rotated ([1, heads, n, head_dim] each). `after`: the
+    attention output's projection added to the stream, then the MLP of the normed stream added to it."""
 
     attention: torch.nn.Module  # for its layer_idx and scaling, which the palace attention reads
-    norm_in: tuple[torch.Tensor, float]
-    norm_post: tuple[torch.Tensor, float]
-    qkv: Callable[[torch.Tensor], list[torch.Tensor]]
-    o: Linear
-    gate_up: Callable[[torch.Tensor], list[torch.Tensor]]
-    down: Linear
-    act: Linear
+    before: Callable[[torch.Tensor, _Rotation], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (attention output, stream) -> stream
+
+
+def _heads(parts: list[torch.Tensor], head_dim: int) -> list[torch.Tensor]:
+    """[1, n, heads * head_dim] pieces -> [1, heads, n, head_dim] views."""
+    return [part.reshape(*part.shape[:-1], -1, head_dim).transpose(1, 2) for part in parts]
+
+
+def _modules_layer(layer: torch.nn.Module) -> _Layer:
+    """The layer as its modules compute it (float, int8 or torch-layout int4 weights)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+    qkv, gate_up = _fused([attention.q_proj, attention.k_proj, attention.v_proj]), _fused([mlp.gate_proj, mlp.up_proj])
+    o, down, act = attention.o_proj.forward, mlp.down_proj.forward, mlp.act_fn
+    head_dim = attention.head_dim
+    half = head_dim // 2
+
+    def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query, key, value = _heads(qkv(_rms_norm(stream, *norm_in)), head_dim)
+        heads, both = query.shape[1], torch.cat([query, key], dim=1)  # one rotation for queries and keys
+        both = both * turn.cos_heads + both.roll(half, dims=-1) * turn.signed_sin_heads
+        return both[:, :heads], both[:, heads:], value
+
+    def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        stream = stream + o(out)
+        gate, up = gate_up(_rms_norm(stream, *norm_post))
+        return stream + down(act(gate) * up)
+
+    return _Layer(attention, before, after)
+
+
+def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
+    """The layer in two calls of the native int4 kernels, or None where its modules are not all dot-layout
+    int4 without bias under a SiLU MLP: `before` folds the RMS norm and the rotation around the fused
+    product, `after` the output projection, residual adds, norm, SwiGLU and MLP (two calls a layer instead
+    of about forty small ops)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if not silu or not all(type(m) is Int4Linear and m.dot and m.bias is None for m in linears):
+        return None
+    norm_in = (layer.input_layernorm.weight.float().contiguous(), layer.input_layernorm.variance_epsilon)
+    norm_post = (layer.post_attention_layernorm.weight.float().contiguous(), layer.post_attention_layernorm.variance_epsilon)
+    qkv, gate_up, o, down = Int4Linear.fuse(linears[:3]), Int4Linear.fuse(linears[4:6]), linears[3], linears[6]
+    head_dim, rotated = attention.head_dim, qkv.sizes[0] + qkv.sizes[1]
+
+    def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = native.q4_matmul(stream.reshape(-1, stream.shape[-1]), qkv.packed, qkv.scales_zeros, norm=norm_in,
+                               rotary=(turn.cos, turn.sin, rotated, head_dim))
+        return _heads(out.view(*stream.shape[:-1], -1).split(qkv.sizes, dim=-1), head_dim)
+
+    def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        return native.q4_mlp(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]), (o.packed, o.scales_zeros),
+                             norm_post, (gate_up.packed, gate_up.scales_zeros), (down.packed, down.scales_zeros)).view_as(stream)
+
+    return _Layer(attention, before, after)
 
 
 def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
@@ -52,20 +119,15 @@ def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torc
     call instead of several (each costs 10-20 us of dispatch on a CPU, as much as a small product). The
     weights are concatenated once and each module's own weight becomes a view into the whole, so nothing is
     held twice and transformers' forward reads the same numbers. Float layers without bias and int4 layers
-    (torch's int4 CPU layout packs 64 output rows a block: outputs that are multiples of 64 concatenate) are
-    fused; any other mix is called one by one."""
+    that concatenate (`Int4Linear.fuse`) are fused; any other mix is called one by one."""
     sizes = [module.out_features for module in modules]
     if all(type(m) is torch.nn.Linear and m.bias is None for m in modules):
         whole = torch.cat([m.weight.detach() for m in modules])
         for module, part in zip(modules, whole.split(sizes)):
             module.weight = torch.nn.Parameter(part, requires_grad=False)
         return lambda x: torch.nn.functional.linear(x, whole).split(sizes, dim=-1)
-    if all(type(m) is Int4Linear and m.bias is None and m.group == GROUP and m.out_features % 64 == 0 for m in modules):
-        whole = torch.cat([m.packed for m in modules])
-        for module, part in zip(modules, whole.split(sizes)):
-            module.packed = part  # a view: the scales stay each module's own (a few KB), the codes are shared
-        scales = torch.cat([m.scales_zeros for m in modules], dim=1).contiguous()
-        return lambda x: Int4Linear.product(x, whole, scales, GROUP).split(sizes, dim=-1)
+    if all(type(m) is Int4Linear for m in modules) and (fused := Int4Linear.fuse(modules)) is not None:
+        return fused
     return lambda x: [module.forward(x) for module in modules]
 
 
@@ -78,32 +140,18 @@ class LeanLlama:
         head = Q8Head.lossless(model.lm_head) if model.lm_head.weight.device.type == "cpu" and native.q8_fast() else None
         self.head = (head or model.lm_head).forward  # int8 where that is exact: a quarter of the bytes per token
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head_dim = inner.layers[0].self_attn.head_dim
-        self.layers = [_Layer(layer.self_attn, (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                              (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                              _fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                              layer.self_attn.o_proj.forward, _fused([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                              layer.mlp.down_proj.forward, layer.mlp.act_fn)
-                       for layer in inner.layers]
+        self.layers = [_dot_layer(layer, model.config.hidden_act == "silu") or _modules_layer(layer) for layer in inner.layers]
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], keep: torch.Tensor) -> torch.Tensor:
         """ids and positions [1, n]; the logits [len(keep), vocab]."""
         hidden = torch.nn.functional.embedding(ids, self.embed)
-        cos, sin = self.rotary(hidden, position_ids=positions)
-        half = self.head_dim // 2  # rotate_half(x) * sin, as x rolled by half a head times sin negated in its first half
-        cos, sin = cos.unsqueeze(1), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(1)
-        shape = (*hidden.shape[:-1], -1, self.head_dim)
+        turn = _Rotation.of(*self.rotary(hidden, position_ids=positions))
         for layer in self.layers:
-            query, key, value = (part.reshape(shape).transpose(1, 2) for part in layer.qkv(_rms_norm(hidden, *layer.norm_in)))
-            heads, both = query.shape[1], torch.cat([query, key], dim=1)  # one rotation for queries and keys
-            both = both * cos + both.roll(half, dims=-1) * sin
-            query, key = both[:, :heads], both[:, heads:]
+            query, key, value = layer.before(hidden, turn)
             out, _ = palace_attention(layer.attention, query, key, value, None, scaling=layer.attention.scaling,
                                       kv_pieces=pieces)
-            hidden = hidden + layer.o(out.reshape(*hidden.shape[:-1], -1))
-            gate, up = layer.gate_up(_rms_norm(hidden, *layer.norm_post))
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            hidden = layer.after(out.reshape(*hidden.shape[:-1], -1), hidden)
         return self.head(_rms_norm(hidden[:, keep], *self.norm))[0]
 
 

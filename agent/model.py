@@ -201,11 +201,12 @@ def quantize_linear_int8(model: torch.nn.Module, inplace: bool = False) -> torch
     return quantize_linear(model if inplace else copy.deepcopy(model), "int8")
 
 
-def quantize_linear_int4(model: torch.nn.Module, inplace: bool = False) -> torch.nn.Module:
+def quantize_linear_int4(model: torch.nn.Module, inplace: bool = False, dot: bool | None = None) -> torch.nn.Module:
     """Weight-only group-wise int4 (groups of 32 inputs, scale + minimum each) for every nn.Linear but the
-    lm_head; a copy unless `inplace`. Lossless on the embedded model, whose weights are GGUF Q4_1."""
+    lm_head; a copy unless `inplace`. Lossless on the embedded model, whose weights are GGUF Q4_1. `dot`:
+    the native kernel's layout (None: where it runs on integer dot products; see agent/qlinear.py)."""
     import copy
 
     from agent.qlinear import quantize_linear
 
-    return quantize_linear(model if inplace else copy.deepcopy(model), "int4")
+    return quantize_linear(model if inplace else copy.deepcopy(model), "int4", dot=dot)

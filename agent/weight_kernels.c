@@ -7,7 +7,10 @@
  * Built by cache/native.py with the KV kernels. Only the AVX-512 code beats a float32 matmul (an AVX2
  * version measured 1.4x slower: widening int8 is the bound), so callers ask `q8_fast` first; the
  * scalar code elsewhere keeps the result defined for the tests. */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -98,6 +101,240 @@ void q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float
 /* 1 where the kernel above is faster than a float32 matmul of the same weights (built with AVX-512). */
 int q8_fast(void) {
 #if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- int4 weights times activations quantized per group: integer dot products (decode and prefill) ----
+ *
+ * Weights: 4-bit codes c with one scale s and one minimum m per output and group of 32 inputs (GGUF Q4_1:
+ * w = c * s + m), in a layout made for VNNI's dot product of unsigned by signed bytes (vpdpbusd): for each
+ * block of 16 outputs and each group, four 64-byte vectors; byte 4 * o + j of vector v holds output o's
+ * code for input 4 * v + j in its low nibble and for input 16 + 4 * v + j in its high nibble, so one
+ * vpdpbusd against 4 broadcast activation bytes adds 4 products into each output's lane. Scales and
+ * minimums are float16: [blocks][groups][2][16] (16 scales, then 16 minimums).
+ *
+ * Activations: each group of 32 is quantized twice to int8 (llama.cpp's Q8 with a second pass over the
+ * rest): x ~ d1 * q1 + d2 * q2, the second level carrying what the first rounded away, so the error is
+ * about 1/127^2 of the group's largest value (one level alone moved 2.4 % of this model's top-1 tokens).
+ * Per output and group: s * (d1 * sum(c * q1) + d2 * sum(c * q2)) + m * sum(x), summed in float32. */
+#define Q4_BLOCK 16            /* outputs per block */
+#define Q4_GROUP_BYTES 256     /* one block's codes for one group: 16 outputs x 32 inputs x 4 bits */
+#define Q4_TILE 4              /* activation rows that share one unpacking of a group's codes */
+#define Q4_AHEAD 4             /* groups fetched ahead of use: the weights stream from L3 or memory */
+
+/* One row's groups as two int8 levels (q1 then q2, k bytes each) and per group d1, d2 and the sum. */
+static void q4_quantize_row(const float *x, int k, int8_t *q, float *stats) {
+    for (int g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        float rest[GROUP], top = 0.0f, sum = 0.0f;
+        for (int i = 0; i < GROUP; i++) { top = fmaxf(top, fabsf(xg[i])); sum += xg[i]; }
+        const float d1 = top / 127.0f, inv1 = top > 0.0f ? 127.0f / top : 0.0f;
+        float top2 = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            const float level = rintf(xg[i] * inv1);
+            q[g * GROUP + i] = (int8_t)level;
+            rest[i] = xg[i] - level * d1;
+            top2 = fmaxf(top2, fabsf(rest[i]));
+        }
+        const float d2 = top2 / 127.0f, inv2 = top2 > 0.0f ? 127.0f / top2 : 0.0f;
+        for (int i = 0; i < GROUP; i++) q[k + g * GROUP + i] = (int8_t)fmaxf(-127.0f, fminf(127.0f, rintf(rest[i] * inv2)));
+        stats[3 * g] = d1, stats[3 * g + 1] = d2, stats[3 * g + 2] = sum;
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float value;
+    if (exponent == 0) value = ldexpf((float)mantissa, -24);
+    else if (exponent == 31) value = mantissa ? NAN : INFINITY;
+    else value = ldexpf((float)(mantissa | 0x400), (int)exponent - 25);
+    return sign ? -value : value;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+static inline __m512i q4_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+/* `tile` rows (1..Q4_TILE, a constant where inlined) against one block of 16 outputs. */
+static inline __attribute__((always_inline)) void q4_tile(const int8_t *q, const float *stats, int k, const uint8_t *codes,
+                                                            const uint16_t *scales, const float *residual, float *out,
+                                                            int n_out, const int tile) {
+    const int groups = k / GROUP;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 y[Q4_TILE];
+    for (int r = 0; r < tile; r++) y[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i w[8];
+        const uint8_t *ahead = codes + (int64_t)(g + Q4_AHEAD) * Q4_GROUP_BYTES;  /* past the end is harmless */
+        for (int line = 0; line < Q4_GROUP_BYTES; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)(scales + 32 * (g + Q4_AHEAD)), _MM_HINT_T0);
+        for (int v = 0; v < 4; v++) {
+            const __m512i packed = _mm512_loadu_si512(codes + (int64_t)g * Q4_GROUP_BYTES + 64 * v);
+            w[v] = _mm512_and_si512(packed, low);
+            w[4 + v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32 * g)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32 * g + 16)));
+        for (int r = 0; r < tile; r++) {
+            const int8_t *q1 = q + (int64_t)r * 2 * k + g * GROUP, *q2 = q1 + k;
+            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512(), c = _mm512_setzero_si512(), d = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                a = _mm512_dpbusd_epi32(a, w[v], q4_bcast(q1 + 4 * v));
+                b = _mm512_dpbusd_epi32(b, w[4 + v], q4_bcast(q1 + 16 + 4 * v));
+                c = _mm512_dpbusd_epi32(c, w[v], q4_bcast(q2 + 4 * v));
+                d = _mm512_dpbusd_epi32(d, w[4 + v], q4_bcast(q2 + 16 + 4 * v));
+            }
+            const float *st = stats + ((int64_t)r * groups + g) * 3;
+            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), _mm512_set1_ps(st[0]),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c, d)), _mm512_set1_ps(st[1])));
+            y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(st[2]), _mm512_fmadd_ps(dot, s, y[r]));
+        }
+    }
+    for (int r = 0; r < tile; r++)
+        _mm512_storeu_ps(out + (int64_t)r * n_out, residual ? _mm512_add_ps(y[r], _mm512_loadu_ps(residual + (int64_t)r * n_out)) : y[r]);
+}
+#endif
+
+/* Rows [0, rows) of quantized activations against one block of 16 outputs, written at out[row][0..16)
+ * (plus residual[row][0..16) where given). */
+static void q4_block(const int8_t *q, const float *stats, int rows, int k, const uint8_t *codes, const uint16_t *scales,
+                     const float *residual, float *out, int n_out) {
+    const int groups = k / GROUP;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    int r = 0;
+    for (; r + Q4_TILE <= rows; r += Q4_TILE)
+        q4_tile(q + (int64_t)r * 2 * k, stats + (int64_t)r * groups * 3, k, codes, scales,
+                residual ? residual + (int64_t)r * n_out : NULL, out + (int64_t)r * n_out, n_out, Q4_TILE);
+    for (; r < rows; r++)
+        q4_tile(q + (int64_t)r * 2 * k, stats + (int64_t)r * groups * 3, k, codes, scales,
+                residual ? residual + (int64_t)r * n_out : NULL, out + (int64_t)r * n_out, n_out, 1);
+#else
+    for (int r = 0; r < rows; r++) {
+        const int8_t *q1 = q + (int64_t)r * 2 * k, *q2 = q1 + k;
+        const float *st = stats + (int64_t)r * groups * 3;
+        for (int o = 0; o < Q4_BLOCK; o++) {
+            float total = 0.0f;
+            for (int g = 0; g < groups; g++) {
+                int32_t dot1 = 0, dot2 = 0;
+                for (int i = 0; i < GROUP; i++) {
+                    const int v = (i % 16) / 4, j = i % 4;
+                    const uint8_t byte = codes[(int64_t)g * Q4_GROUP_BYTES + 64 * v + 4 * o + j];
+                    const int code = i < 16 ? byte & 0x0f : byte >> 4;
+                    dot1 += code * q1[g * GROUP + i], dot2 += code * q2[g * GROUP + i];
+                }
+                const float s = half_to_float(scales[32 * g + o]), m = half_to_float(scales[32 * g + 16 + o]);
+                total += s * (st[3 * g] * (float)dot1 + st[3 * g + 1] * (float)dot2) + m * st[3 * g + 2];
+            }
+            out[(int64_t)r * n_out + o] = residual ? residual[(int64_t)r * n_out + o] + total : total;
+        }
+    }
+#endif
+}
+
+/* The row a layer multiplies: x's k values, or with `swiglu` silu(gate) * up of x's 2k values (gate first), then
+ * with `norm` RMS-normalized and scaled by it (Llama's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight). */
+static void q4_prepare_row(const float *x, int k, int swiglu, const float *norm, float eps, float *row) {
+    if (swiglu) for (int i = 0; i < k; i++) row[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
+    else memcpy(row, x, (size_t)k * sizeof(float));
+    if (!norm) return;
+    float squares = 0.0f;
+    for (int i = 0; i < k; i++) squares += row[i] * row[i];
+    const float inverse = 1.0f / sqrtf(squares / (float)k + eps);
+    for (int i = 0; i < k; i++) row[i] = norm[i] * (row[i] * inverse);
+}
+
+/* Scratch for one product's quantized activations, sized for `rows` rows of up to `k` inputs. */
+typedef struct { int8_t *q; float *stats, *prepared; } q4_scratch;
+
+static int q4_scratch_alloc(q4_scratch *s, int rows, int k) {
+    s->q = malloc((size_t)rows * 2 * k);
+    s->stats = malloc((size_t)rows * (k / GROUP) * 3 * sizeof(float));
+    s->prepared = malloc((size_t)rows * k * sizeof(float));
+    return s->q && s->stats && s->prepared ? 0 : -1;
+}
+
+static void q4_scratch_free(q4_scratch *s) { free(s->q); free(s->stats); free(s->prepared); }
+
+/* out [rows][n_out] = residual + prepared(x) [rows][k] @ the int4 weights^T (layout above), x being
+ * [rows][swiglu ? 2k : k]; norm and residual may be NULL. Called by every thread of a parallel region
+ * (its loops are shared out among them and end on a barrier). */
+static void q4_product(const float *x, int rows, int k, int swiglu, const float *norm, float eps, const uint8_t *codes,
+                       const uint16_t *scales, int n_out, const float *residual, float *out, const q4_scratch *s) {
+    const int groups = k / GROUP, width = swiglu ? 2 * k : k;
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *row = s->prepared + (int64_t)r * k;
+        q4_prepare_row(x + (int64_t)r * width, k, swiglu, norm, eps, row);
+        q4_quantize_row(row, k, s->q + (int64_t)r * 2 * k, s->stats + (int64_t)r * groups * 3);
+    }
+#pragma omp for schedule(static)
+    for (int b = 0; b < n_out / Q4_BLOCK; b++)
+        q4_block(s->q, s->stats, rows, k, codes + (int64_t)b * groups * Q4_GROUP_BYTES, scales + (int64_t)b * groups * 32,
+                 residual ? residual + b * Q4_BLOCK : NULL, out + b * Q4_BLOCK, n_out);
+}
+
+/* Rotary embedding of the first `rotated` outputs of each row, head by head (Llama's rotate_half:
+ * x * cos + (-x[i + half] or x[i - half]) * sin), with cos and sin [rows][head_dim] of each row's position.
+ * The same products and sum as transformers' apply_rotary_pos_emb (ISO C: no fused multiply-adds). */
+static void q4_rotate(float *out, int rows, int n_out, int rotated, int head_dim, const float *cos, const float *sin) {
+    const int half = head_dim / 2;
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
+        for (int h = 0; h < rotated; h += head_dim) {
+            float *x = out + (int64_t)r * n_out + h, turned[head_dim];
+            for (int i = 0; i < head_dim; i++) {
+                const float other = i < half ? -x[i + half] : x[i - half];
+                turned[i] = x[i] * c[i] + other * s[i];
+            }
+            memcpy(x, turned, (size_t)head_dim * sizeof(float));
+        }
+    }
+}
+
+/* One product (see q4_product), then with cos (and sin) given the rotation of its first `rotated` outputs:
+ * a decoder layer's norm, queries, keys and values and their rotation in one call, or any single product.
+ * Returns 0, or -1 when the scratch buffers cannot be allocated (out is then untouched). */
+int q4_matmul(const float *x, int rows, int k, int swiglu, const float *norm, float eps, const uint8_t *codes,
+              const uint16_t *scales, int n_out, const float *residual, const float *cos, const float *sin, int rotated,
+              int head_dim, float *out, int threads) {
+    q4_scratch s;
+    if (q4_scratch_alloc(&s, rows, k)) { q4_scratch_free(&s); return -1; }
+#pragma omp parallel num_threads(threads)
+    {
+        q4_product(x, rows, k, swiglu, norm, eps, codes, scales, n_out, residual, out, &s);
+        if (cos) q4_rotate(out, rows, n_out, rotated, head_dim, cos, sin);
+    }
+    q4_scratch_free(&s);
+    return 0;
+}
+
+/* A Llama decoder layer after attention, in one call: stream + attended @ o^T, then its RMS norm through the
+ * gate and up projections (gate_up: 2 * ff outputs, gate first), SwiGLU, the down projection and the
+ * residual add. attended and stream are [rows][d]; the new stream is written to out [rows][d]. */
+int q4_mlp(const float *attended, const float *stream, int rows, int d, int ff, const uint8_t *o_codes,
+           const uint16_t *o_scales, const float *norm, float eps, const uint8_t *gate_up_codes,
+           const uint16_t *gate_up_scales, const uint8_t *down_codes, const uint16_t *down_scales, float *out, int threads) {
+    q4_scratch s;
+    float *mid = malloc((size_t)rows * d * sizeof(float)), *gated = malloc((size_t)rows * 2 * ff * sizeof(float));
+    if (q4_scratch_alloc(&s, rows, d > ff ? d : ff) || !mid || !gated) { q4_scratch_free(&s); free(mid); free(gated); return -1; }
+#pragma omp parallel num_threads(threads)
+    {
+        q4_product(attended, rows, d, 0, NULL, 0.0f, o_codes, o_scales, d, stream, mid, &s);
+        q4_product(mid, rows, d, 0, norm, eps, gate_up_codes, gate_up_scales, 2 * ff, NULL, gated, &s);
+        q4_product(gated, rows, ff, 1, NULL, 0.0f, down_codes, down_scales, d, mid, out, &s);
+    }
+    q4_scratch_free(&s);
+    free(mid);
+    free(gated);
+    return 0;
+}
+
+/* 1 where q4_matmul uses integer dot products (built with AVX-512 VNNI), else its scalar reference runs. */
+int q4_fast(void) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
     return 1;
 #else
     return 0;

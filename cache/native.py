@@ -1,6 +1,7 @@
 """The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
 `compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass) and
-`agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode), compiled
+`agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode; int4 weights
+times activations quantized per group, by integer dot products), compiled
 on first use with the machine's C compiler into one library and loaded through ctypes.
 
 Why C: decode over int8 / int4 / fp8 KV is bound by the bytes it reads, but torch needs several full
@@ -40,7 +41,9 @@ _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
               "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
-              "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i]}
+              "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
+              "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
+              "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -96,7 +99,9 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
-    lib.q8_fast.argtypes, lib.q8_fast.restype = [], ctypes.c_int
+    lib.q4_matmul.restype = lib.q4_mlp.restype = ctypes.c_int
+    for probe in (lib.q8_fast, lib.q4_fast):
+        probe.argtypes, probe.restype = [], ctypes.c_int
     return lib
 
 
@@ -182,3 +187,49 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
                         out.data_ptr(), torch.get_num_threads())
     return out
 
+
+
+def q4_fast() -> bool:
+    """Whether the int4 kernel runs on integer dot products here (AVX-512 VNNI); elsewhere its scalar
+    reference is exact but slow, so Int4Linear keeps torch's layout and kernel."""
+    return library() is not None and bool(library().q4_fast())
+
+
+def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None, swiglu: bool = False,
+              rotary: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+    """x [rows, k] times int4 weights in the kernel's layout (codes uint8 [n / 16, k * 8]; scales float16
+    [n / 16, k / 32, 2, 16], scale then minimum), transposed -> [rows, n] float32. Folded in where given:
+    with `swiglu`, x is [rows, 2k] and the product reads silu(gate) * up of its halves; `norm` (weight
+    [k] float32, eps) RMS-normalizes each row first; `residual` [rows, n] float32 is added to the result;
+    `rotary` (cos, sin [rows, head_dim] float32, outputs to rotate, head_dim) rotates the first outputs of
+    each row head by head (queries and keys)."""
+    x = x.float().contiguous()
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    out = torch.empty(x.shape[0], codes.shape[0] * 16, dtype=torch.float32)
+    weight, eps = norm if norm is not None else (None, 0.0)
+    cos, sin, rotated, head_dim = rotary if rotary is not None else (None, None, 0, 0)
+    if library().q4_matmul(x.data_ptr(), x.shape[0], k, int(swiglu), _ptr(weight), eps, codes.data_ptr(),
+                           scales.data_ptr(), out.shape[1], _ptr(_dense(residual)), _ptr(_dense(cos)), _ptr(_dense(sin)),
+                           rotated, head_dim, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"q4_matmul: no memory for {x.shape[0]} rows of quantized activations")
+    return out
+
+
+def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, float],
+           gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A Llama layer after attention in one call: stream + attended @ o^T, RMS norm, gate and up, SwiGLU, down,
+    residual add; attended and stream [rows, d] float32; each weight (codes, scales) in q4_matmul's layout."""
+    attended, stream = _dense(attended), _dense(stream)
+    rows, d = stream.shape
+    ff = gate_up[0].shape[0] * 8
+    out = torch.empty(rows, d, dtype=torch.float32)
+    if library().q4_mlp(attended.data_ptr(), stream.data_ptr(), rows, d, ff, o[0].data_ptr(), o[1].data_ptr(),
+                        norm[0].data_ptr(), norm[1], gate_up[0].data_ptr(), gate_up[1].data_ptr(), down[0].data_ptr(),
+                        down[1].data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"q4_mlp: no memory for {rows} rows of quantized activations")
+    return out
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()

@@ -67,12 +67,22 @@ def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(emb
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
-def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, monkeypatch):
+# The native int4 layout's lean forward folds norms, rotation, SwiGLU and residual adds into its kernels, which
+# quantize activations per group (two int8 levels): a difference of rounding order can move a level by one
+# step (about 1/127^2 of a group's largest value). Both of its paths stay within 0.025 of the float32 model's
+# logits here (torch's layout, bfloat16 activations: 0.15-0.26), so they are held to 0.05 of each other.
+INT4_TOLERANCE = {True: dict(rtol=0, atol=5e-2), False: dict(rtol=1e-4, atol=1e-3)}
+
+
+@pytest.mark.parametrize("dot", [True, False], ids=["dot-layout", "torch-layout"])
+def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, monkeypatch, dot):
     """int4 weights: queries, keys and values in one product, gate and up in another, the modules' codes views
-    into the fused ones (so transformers' forward still reads the same), and the same logits either way."""
+    into the fused ones (so transformers' forward still reads the same), and the same tokens either way; in
+    the native layout each layer is two kernel calls."""
     from agent.model import quantize_linear_int4
 
-    model = quantize_linear_int4(embedded.model)
+    model = quantize_linear_int4(embedded.model, dot=dot)
+    assert model.model.layers[0].mlp.down_proj.dot == dot
     ids = embedded.tokenizer("My order KL-20931 never came, the tracking says delivered to a safe place",
                              add_special_tokens=False)["input_ids"]
     want_logits, want_tokens = run(model, monkeypatch, False, ids, 12)
@@ -83,7 +93,7 @@ def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, 
     again_logits, again_tokens = run(model, monkeypatch, False, ids, 12)  # transformers' forward on the views
     assert got_tokens == want_tokens == again_tokens
     for got, want, again in zip(got_logits, want_logits, again_logits, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(got, want, **INT4_TOLERANCE[dot])
         torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from agent.chat_format import ChatFormat
-from agent.engine import Feed
+from agent.engine import Feed, greedy
 from agent.model import LoadedModel
 from agent.scoring import ChoiceBatch
 
@@ -90,7 +90,7 @@ class Reprefill:
         started = time.perf_counter()
         logits, ids = self.last_logits, []
         for _ in range(max_new_tokens):
-            token = int(torch.argmax(logits))
+            token = greedy(logits)
             if token in self.format.end_of_turn:
                 break
             ids.append(token)
