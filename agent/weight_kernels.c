@@ -1,6 +1,7 @@
-/* Weight-only int8 matrix-vector products for a few activation rows (decode), reading each weight once.
+/* Weight kernels: int8 weights times a few activation rows (the output layer in decode), and below, int4
+ * weights times activations quantized per group (every int4 layer, a decoder layer in two calls).
  *
- * Weights: int8 codes [n_out][k] with one float scale per group of 32 inputs ([n_out][k / 32]), i.e.
+ * int8 weights: int8 codes [n_out][k] with one float scale per group of 32 inputs ([n_out][k / 32]), i.e.
  * GGUF Q8_0's layout; w[n][k] = codes[n][k] * scales[n][k / 32]. Activations and outputs are float32 and
  * the sums are float32, so the result equals a float32 matmul with the dequantized weights up to the
  * order of the additions. Each group of codes is widened once into registers and used for every row.
@@ -14,6 +15,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "../cache/half.h"
 
 #define GROUP 32
 #define MAX_ROWS 8
@@ -143,15 +145,6 @@ static void q4_quantize_row(const float *x, int k, int8_t *q, float *stats) {
         for (int i = 0; i < GROUP; i++) q[k + g * GROUP + i] = (int8_t)fmaxf(-127.0f, fminf(127.0f, rintf(rest[i] * inv2)));
         stats[3 * g] = d1, stats[3 * g + 1] = d2, stats[3 * g + 2] = sum;
     }
-}
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    float value;
-    if (exponent == 0) value = ldexpf((float)mantissa, -24);
-    else if (exponent == 31) value = mantissa ? NAN : INFINITY;
-    else value = ldexpf((float)(mantissa | 0x400), (int)exponent - 25);
-    return sign ? -value : value;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)

@@ -1,5 +1,6 @@
 """The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
-`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass) and
+`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass),
+`attention_kernels.c` (one new token's attention over a float32 layer, with the mass each key receives) and
 `agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode; int4 weights
 times activations quantized per group, by integer dot products), compiled
 on first use with the machine's C compiler into one library and loaded through ctypes.
@@ -32,8 +33,9 @@ import torch
 if TYPE_CHECKING:
     from cache.quant import QuantRows
 
-SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c")),
+SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c", "attention_kernels.c")),
            Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
+HEADERS = (Path(__file__).with_name("half.h"),)  # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
@@ -43,7 +45,8 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
-              "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i]}
+              "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
+              "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -61,7 +64,7 @@ def compiler() -> str:
 def library_path() -> Path:
     from agent.model import cache_dir
 
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
     return cache_dir() / "native" / f"quant_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -99,8 +102,8 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
-    lib.q4_matmul.restype = lib.q4_mlp.restype = ctypes.c_int
-    for probe in (lib.q8_fast, lib.q4_fast):
+    lib.q4_matmul.restype = lib.q4_mlp.restype = lib.attend_one.restype = ctypes.c_int
+    for probe in (lib.q8_fast, lib.q4_fast, lib.attend_fast):
         probe.argtypes, probe.restype = [], ctypes.c_int
     return lib
 
@@ -233,3 +236,26 @@ def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
+
+
+def attend_fast() -> bool:
+    """Whether `attend_one` beats SDPA here (built with AVX-512)."""
+    return library() is not None and bool(library().attend_fast())
+
+
+def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               want_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One query per head, query [1, heads, 1, dim] float32, over keys and values [1, kv_heads, n, dim] float32
+    views of a store (tokens dense, heads `stride(1)` apart, the same for both) -> ([1, 1, heads, dim], the
+    attention mass [kv_heads, n] or None). None when the views are not laid out so (the caller uses SDPA)."""
+    _, heads, _, dim = query.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if keys.stride()[2:] != (dim, 1) or values.stride() != keys.stride() or keys.dtype != torch.float32:
+        return None
+    query = query.float().contiguous()
+    out = torch.empty(1, 1, heads, dim, dtype=torch.float32)
+    mass = torch.empty(kv_heads, length, dtype=torch.float32) if want_mass else None
+    if library().attend_one(query.data_ptr(), heads, kv_heads, dim, keys.data_ptr(), values.data_ptr(), keys.stride(1),
+                            length, scale, out.data_ptr(), _ptr(mass), torch.get_num_threads()):
+        return None
+    return out, mass

@@ -38,6 +38,7 @@ import torch
 
 from agent.engine import SamplingConfig, decode, forward, prefill
 from agent.model import EMBEDDED, embedded_gguf, head_dim, kv_bytes_per_token
+from agent.qlinear import Int4Linear
 from cache.policies import HybridConfig, Policy, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore, TokenMeta
@@ -330,7 +331,11 @@ def weight_agreement(model: torch.nn.Module, quantized: torch.nn.Module, weights
                      rows: list[dict]) -> dict:
     """The quantized model's top-1 agreement with float32 over `text`, with its engine row's decode ratios."""
     engine = next(r for r in rows if r["run"] == f"engine {weights}")
-    return {"weights": WEIGHT_LABELS[weights], "positions": len(text), "top1": top1_agreement(model, quantized, text),
+    label = WEIGHT_LABELS[weights]
+    if weights == "int4":
+        int4 = next(m for m in quantized.modules() if type(m) is Int4Linear)
+        label += ", activations in two int8 levels per group (native kernel)" if int4.dot else ", bfloat16 activations"
+    return {"weights": label, "positions": len(text), "top1": top1_agreement(model, quantized, text),
             "decode_vs_generate_f32": engine["decode_vs_generate_f32"],
             "decode_cpu_vs_generate_f32": engine["decode_cpu_vs_generate_f32"]}
 

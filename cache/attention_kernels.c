@@ -1,0 +1,190 @@
+/* Attention of one new token per head over a float32 layer (decode), in one pass per KV head.
+ *
+ * Why: for a single query, torch's SDPA (flash attention on CPU) costs 60 us a layer at a few hundred cached
+ * tokens, mostly set-up; this model's 30 layers made that a fifth of an int4 token's time. Here the query
+ * heads that share a KV head (GQA) read its keys and values together: one sweep of the keys for their
+ * scores, a softmax, one sweep of the values. With `mass`, the attention each key receives (summed over
+ * the group's heads: what H2O and the hybrid record) comes out of the same softmax.
+ *
+ * Layout: keys and values [kv_heads][capacity][dim], `head_stride` floats apart, tokens `dim` floats
+ * apart; query and out [heads][dim], query head h reading KV head h / (heads / kv_heads). Float32 sums;
+ * exp by a degree-6 polynomial on the reduced argument (relative error ~1e-7). Built by cache/native.py;
+ * only the AVX-512 code is faster than SDPA, so callers ask `attend_fast` first. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 16 /* query heads per KV head */
+#define MAX_DIM 128  /* head dimension */
+#define MAX_PARTS 64 /* key ranges computed apart (one per thread) */
+
+#ifdef __AVX512F__
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  /* ln 2 in two parts: r = x - n ln 2 */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* exp(scores - peak) in place over n values; returns their sum. */
+static float softmax_weights(float *scores, int n, float peak) {
+    int j = 0;
+    float total = 0.0f;
+#ifdef __AVX512F__
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(peak);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift));
+        _mm512_storeu_ps(scores + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; j < n; j++) total += scores[j] = expf(scores[j] - peak);
+    return total;
+}
+
+/* Keys [first, last) of one KV head for its `group` query heads: scores into scores[i * stride + j], then
+ * with the part's own peak per head, exp(score - peak) in place, their sums and the unnormalized weighted
+ * values (out [group][dim]). Dense (AVX-512) code for head_dim 64, the scalar loops otherwise. */
+static void attend_part(const float *query, int group, int dim, const float *keys, const float *values, int first,
+                        int last, float scale, float *scores, int64_t stride, float *peak, float *sum, float *out) {
+    for (int i = 0; i < group; i++) peak[i] = -INFINITY;
+#ifdef __AVX512F__
+    if (dim == 64 && group <= MAX_GROUP) {
+        for (int j = first; j < last; j++) {
+            const float *k = keys + (int64_t)j * 64;
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);
+            for (int i = 0; i < group; i++) {
+                const float *q = query + i * 64;
+                const __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, _mm512_mul_ps(_mm512_loadu_ps(q), k0));
+                const __m512 b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, _mm512_mul_ps(_mm512_loadu_ps(q + 16), k1));
+                const float score = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+                scores[i * stride + j] = score;
+                peak[i] = score > peak[i] ? score : peak[i];
+            }
+        }
+        for (int i = 0; i < group; i++) sum[i] = softmax_weights(scores + i * stride + first, last - first, peak[i]);
+        for (int i = 0; i < group; i++) {
+            const float *w = scores + i * stride;
+            __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+            for (int j = first; j < last; j++) {
+                const float *v = values + (int64_t)j * 64;
+                const __m512 weight = _mm512_set1_ps(w[j]);
+                o0 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v), o0);
+                o1 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16), o1);
+                o2 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 32), o2);
+                o3 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 48), o3);
+            }
+            float *o = out + i * 64;
+            _mm512_storeu_ps(o, o0), _mm512_storeu_ps(o + 16, o1), _mm512_storeu_ps(o + 32, o2), _mm512_storeu_ps(o + 48, o3);
+        }
+        return;
+    }
+#endif
+    for (int j = first; j < last; j++)
+        for (int i = 0; i < group; i++) {
+            float dot = 0.0f;
+            for (int d = 0; d < dim; d++) dot += query[i * dim + d] * keys[(int64_t)j * dim + d];
+            const float score = dot * scale;
+            scores[i * stride + j] = score;
+            peak[i] = score > peak[i] ? score : peak[i];
+        }
+    for (int i = 0; i < group; i++) {
+        sum[i] = softmax_weights(scores + i * stride + first, last - first, peak[i]);
+        for (int d = 0; d < dim; d++) out[i * dim + d] = 0.0f;
+        for (int j = first; j < last; j++)
+            for (int d = 0; d < dim; d++) out[i * dim + d] += scores[i * stride + j] * values[(int64_t)j * dim + d];
+    }
+}
+
+/* out [heads][dim] = softmax(query . keys^T * scale) . values for one query per head; mass [kv_heads][length]
+ * (may be NULL) the weights summed over each KV head's query heads. The keys are split in `threads` parts,
+ * each part of every head computed with its own peak, then combined (flash-decoding's rescale), so two
+ * threads share three KV heads evenly. Returns 0, or -1 when the scratch cannot be allocated or the group
+ * or head dimension exceed MAX_GROUP / MAX_DIM (out is then untouched). */
+int attend_one(const float *query, int heads, int kv_heads, int dim, const float *keys, const float *values,
+               int64_t head_stride, int length, float scale, float *out, float *mass, int threads) {
+    const int group = heads / kv_heads;
+    if (group > MAX_GROUP || group * kv_heads != heads || length < 1 || dim > MAX_DIM) return -1;
+    int parts = threads < 1 ? 1 : threads > MAX_PARTS ? MAX_PARTS : threads;
+    if (parts > length / 32) parts = length / 32 > 0 ? length / 32 : 1;
+    float *scores = malloc((size_t)heads * length * sizeof(float));
+    float *partial = malloc((size_t)parts * heads * (dim + 2) * sizeof(float));  /* per part and head: peak, sum, out */
+    if (!scores || !partial) { free(scores); free(partial); return -1; }
+#pragma omp parallel num_threads(parts)
+    {
+#pragma omp for schedule(static)
+        for (int p = 0; p < parts; p++) {
+            const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
+            for (int h = 0; h < kv_heads; h++) {
+                float *mine = partial + ((int64_t)p * heads + h * group) * (dim + 2);
+                float peak[MAX_GROUP], sum[MAX_GROUP], o[MAX_GROUP * MAX_DIM];
+                attend_part(query + (int64_t)h * group * dim, group, dim, keys + h * head_stride, values + h * head_stride,
+                            first, last, scale, scores + (int64_t)h * group * length, length, peak, sum, o);
+                for (int i = 0; i < group; i++) {
+                    float *slot = mine + i * (dim + 2);
+                    slot[0] = peak[i], slot[1] = sum[i];
+                    memcpy(slot + 2, o + i * dim, (size_t)dim * sizeof(float));
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int head = 0; head < heads; head++) {
+            float peak = -INFINITY, total = 0.0f, factor[MAX_PARTS];
+            for (int p = 0; p < parts; p++) {
+                const float mine = partial[((int64_t)p * heads + head) * (dim + 2)];
+                peak = mine > peak ? mine : peak;
+            }
+            for (int p = 0; p < parts; p++) {
+                const float *slot = partial + ((int64_t)p * heads + head) * (dim + 2);
+                factor[p] = expf(slot[0] - peak);
+                total += slot[1] * factor[p];
+            }
+            for (int d = 0; d < dim; d++) {
+                float value = 0.0f;
+                for (int p = 0; p < parts; p++) value += partial[((int64_t)p * heads + head) * (dim + 2) + 2 + d] * factor[p];
+                out[(int64_t)head * dim + d] = value / total;
+            }
+            for (int p = 0; p < parts; p++) {  /* the part's weights, normalized: the mass below sums them */
+                const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
+                const float scaleby = factor[p] / total;
+                for (int j = first; j < last; j++) scores[(int64_t)head * length + j] *= scaleby;
+            }
+        }
+        if (mass) {
+#pragma omp for schedule(static)
+            for (int h = 0; h < kv_heads; h++)
+                for (int j = 0; j < length; j++) {
+                    float total = 0.0f;
+                    for (int i = 0; i < group; i++) total += scores[((int64_t)h * group + i) * length + j];
+                    mass[(int64_t)h * length + j] = total;
+                }
+        }
+    }
+    free(scores);
+    free(partial);
+    return 0;
+}
+
+/* 1 where attend_one beats SDPA (built with AVX-512). */
+int attend_fast(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
