@@ -54,6 +54,7 @@ class _Layer:
     keys and values in one product, queries and keys rotated ([1, heads, n, head_dim] each). `after`: the
     attention output's projection added to the stream, then the MLP of the normed stream added to it."""
 
+    kind: str  # "dot" (native int4 kernels), "float" (float32 products, native glue) or "modules" (their own ops)
     attention: torch.nn.Module  # for its layer_idx and scaling, which the palace attention reads
     before: Callable[[torch.Tensor, _Rotation], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (attention output, stream) -> stream
@@ -85,7 +86,7 @@ def _modules_layer(layer: torch.nn.Module) -> _Layer:
         gate, up = gate_up(_rms_norm(stream, *norm_post))
         return stream + down(act(gate) * up)
 
-    return _Layer(attention, before, after)
+    return _Layer("modules", attention, before, after)
 
 
 def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
@@ -111,24 +112,62 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
         return native.q4_mlp(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]), (o.packed, o.scales_zeros),
                              norm_post, (gate_up.packed, gate_up.scales_zeros), (down.packed, down.scales_zeros)).view_as(stream)
 
-    return _Layer(attention, before, after)
+    return _Layer("dot", attention, before, after)
+
+
+def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
+    """The layer with float32 weights on a CPU with the native kernels: torch's products, and the glue around
+    them in C (`native.prepare_rows`: the RMS norms and SwiGLU; `native.rotate_rows`: queries and keys in
+    place) and in the products (the residual adds as `addmm`), about a dozen calls a layer instead of forty
+    small ops. None where the weights are not all float32 without bias on the CPU under a SiLU MLP."""
+    attention, mlp = layer.self_attn, layer.mlp
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    weights = [m.weight for m in linears if type(m) is torch.nn.Linear]
+    if (not silu or len(weights) < len(linears) or any(m.bias is not None for m in linears)
+            or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights) or not native.available(*weights)):
+        return None
+    norm_in = (layer.input_layernorm.weight.float().contiguous(), layer.input_layernorm.variance_epsilon)
+    norm_post = (layer.post_attention_layernorm.weight.float().contiguous(), layer.post_attention_layernorm.variance_epsilon)
+    qkv, gate_up = _concatenated(linears[:3]), _concatenated(linears[4:6])
+    o, down = attention.o_proj.weight.detach(), mlp.down_proj.weight.detach()
+    sizes = [m.out_features for m in linears[:3]]
+    head_dim, rotated = attention.head_dim, sizes[0] + sizes[1]
+
+    def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = torch.nn.functional.linear(native.prepare_rows(stream.reshape(-1, stream.shape[-1]), norm=norm_in), qkv)
+        native.rotate_rows(out, turn.cos, turn.sin, rotated, head_dim)
+        return _heads(out.view(*stream.shape[:-1], -1).split(sizes, dim=-1), head_dim)
+
+    def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        middle = torch.addmm(stream.reshape(-1, stream.shape[-1]), out.reshape(-1, out.shape[-1]), o.t())
+        gated = torch.nn.functional.linear(native.prepare_rows(middle, norm=norm_post), gate_up)
+        return torch.addmm(middle, native.prepare_rows(gated, swiglu=True), down.t()).view_as(stream)
+
+    return _Layer("float", attention, before, after)
 
 
 def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """One product for linear layers that read the same input, its output split back into theirs: one kernel
-    call instead of several (each costs 10-20 us of dispatch on a CPU, as much as a small product). The
-    weights are concatenated once and each module's own weight becomes a view into the whole, so nothing is
-    held twice and transformers' forward reads the same numbers. Float layers without bias and int4 layers
-    that concatenate (`Int4Linear.fuse`) are fused; any other mix is called one by one."""
+    call instead of several (each costs 10-20 us of dispatch on a CPU, as much as a small product). Float
+    layers without bias (`_concatenated`) and int4 layers that concatenate (`Int4Linear.fuse`) are fused;
+    any other mix is called one by one."""
     sizes = [module.out_features for module in modules]
-    if all(type(m) is torch.nn.Linear and m.bias is None for m in modules):
-        whole = torch.cat([m.weight.detach() for m in modules])
-        for module, part in zip(modules, whole.split(sizes)):
-            module.weight = torch.nn.Parameter(part, requires_grad=False)
+    if (whole := _concatenated(modules)) is not None:
         return lambda x: torch.nn.functional.linear(x, whole).split(sizes, dim=-1)
     if all(type(m) is Int4Linear for m in modules) and (fused := Int4Linear.fuse(modules)) is not None:
         return fused
     return lambda x: [module.forward(x) for module in modules]
+
+
+def _concatenated(modules: list[torch.nn.Module]) -> torch.Tensor | None:
+    """The weights of float linear layers without bias as one tensor, each module's own weight becoming a view
+    into it (nothing held twice; transformers' forward reads the same numbers); None for any other mix."""
+    if not all(type(m) is torch.nn.Linear and m.bias is None for m in modules):
+        return None
+    whole = torch.cat([m.weight.detach() for m in modules])
+    for module, part in zip(modules, whole.split([m.out_features for m in modules])):
+        module.weight = torch.nn.Parameter(part, requires_grad=False)
+    return whole
 
 
 class LeanLlama:
@@ -140,7 +179,8 @@ class LeanLlama:
         head = Q8Head.lossless(model.lm_head) if model.lm_head.weight.device.type == "cpu" and native.q8_fast() else None
         self.head = (head or model.lm_head).forward  # int8 where that is exact: a quarter of the bytes per token
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.layers = [_dot_layer(layer, model.config.hidden_act == "silu") or _modules_layer(layer) for layer in inner.layers]
+        silu = model.config.hidden_act == "silu"
+        self.layers = [_dot_layer(layer, silu) or _float_layer(layer, silu) or _modules_layer(layer) for layer in inner.layers]
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], keep: torch.Tensor) -> torch.Tensor:
@@ -173,7 +213,8 @@ def lean_forward(model: torch.nn.Module) -> LeanLlama | None:
         return None
     layers = model.model.layers
     modules = (id(layers[0].self_attn.q_proj), id(layers[-1].mlp.down_proj), id(model.lm_head),  # what a swap replaces
-               layers[0].input_layernorm.weight.data_ptr())  # and what a move to another device or dtype does
+               layers[0].input_layernorm.weight.data_ptr(),  # and what a move to another device or dtype does
+               native.library() is not None)  # the native layer kinds need the kernels (PALACE_NATIVE can turn them off)
     built = _BUILT.get(model)
     if built is None or built[0] != modules:
         built = _BUILT[model] = (modules, LeanLlama(model))

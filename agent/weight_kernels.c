@@ -228,7 +228,7 @@ static void q4_block(const int8_t *q, const float *stats, int rows, int k, const
 
 /* The row a layer multiplies: x's k values, or with `swiglu` silu(gate) * up of x's 2k values (gate first), then
  * with `norm` RMS-normalized and scaled by it (Llama's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight). */
-static void q4_prepare_row(const float *x, int k, int swiglu, const float *norm, float eps, float *row) {
+static void prepare_row(const float *x, int k, int swiglu, const float *norm, float eps, float *row) {
     if (swiglu) for (int i = 0; i < k; i++) row[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
     else memcpy(row, x, (size_t)k * sizeof(float));
     if (!norm) return;
@@ -259,7 +259,7 @@ static void q4_product(const float *x, int rows, int k, int swiglu, const float 
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         float *row = s->prepared + (int64_t)r * k;
-        q4_prepare_row(x + (int64_t)r * width, k, swiglu, norm, eps, row);
+        prepare_row(x + (int64_t)r * width, k, swiglu, norm, eps, row);
         q4_quantize_row(row, k, s->q + (int64_t)r * 2 * k, s->stats + (int64_t)r * groups * 3);
     }
 #pragma omp for schedule(static)
@@ -271,7 +271,7 @@ static void q4_product(const float *x, int rows, int k, int swiglu, const float 
 /* Rotary embedding of the first `rotated` outputs of each row, head by head (Llama's rotate_half:
  * x * cos + (-x[i + half] or x[i - half]) * sin), with cos and sin [rows][head_dim] of each row's position.
  * The same products and sum as transformers' apply_rotary_pos_emb (ISO C: no fused multiply-adds). */
-static void q4_rotate(float *out, int rows, int n_out, int rotated, int head_dim, const float *cos, const float *sin) {
+static void rotate_heads(float *out, int rows, int n_out, int rotated, int head_dim, const float *cos, const float *sin) {
     const int half = head_dim / 2;
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
@@ -298,7 +298,7 @@ int q4_matmul(const float *x, int rows, int k, int swiglu, const float *norm, fl
 #pragma omp parallel num_threads(threads)
     {
         q4_product(x, rows, k, swiglu, norm, eps, codes, scales, n_out, residual, out, &s);
-        if (cos) q4_rotate(out, rows, n_out, rotated, head_dim, cos, sin);
+        if (cos) rotate_heads(out, rows, n_out, rotated, head_dim, cos, sin);
     }
     q4_scratch_free(&s);
     return 0;
@@ -323,6 +323,18 @@ int q4_mlp(const float *attended, const float *stream, int rows, int d, int ff, 
     free(mid);
     free(gated);
     return 0;
+}
+
+/* For float layers (their products stay torch's): prepare_row over rows [rows][swiglu ? 2k : k] into
+ * out [rows][k] (a decoder layer's RMS norm, or its SwiGLU), and the rotation of queries and keys in place. */
+void prepare_rows(const float *x, int rows, int k, int swiglu, const float *norm, float eps, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int r = 0; r < rows; r++) prepare_row(x + (int64_t)r * (swiglu ? 2 * k : k), k, swiglu, norm, eps, out + (int64_t)r * k);
+}
+
+void rotate_rows(float *x, int rows, int n, int rotated, int head_dim, const float *cos, const float *sin, int threads) {
+#pragma omp parallel num_threads(threads) if (rows > 1)
+    rotate_heads(x, rows, n, rotated, head_dim, cos, sin);
 }
 
 /* 1 where q4_matmul uses integer dot products (built with AVX-512 VNNI), else its scalar reference runs. */

@@ -46,7 +46,9 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
-              "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i]}
+              "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i],
+              "prepare_rows": [_p, _i, _i, _i, _p, _f, _p, _i],
+              "rotate_rows": [_p, _i, _i, _i, _i, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -232,6 +234,26 @@ def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, 
                         down[1].data_ptr(), out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"q4_mlp: no memory for {rows} rows of quantized activations")
     return out
+
+
+def prepare_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [rows, k] float32 RMS-normalized by `norm` (weight [k] float32, eps), or with `swiglu` x [rows, 2k]
+    -> silu(gate) * up [rows, k]: a float decoder layer's glue in one call (q4_matmul folds the same in)."""
+    x = x.float().contiguous()
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    out = torch.empty(x.shape[0], k, dtype=torch.float32)
+    weight, eps = norm if norm is not None else (None, 0.0)
+    library().prepare_rows(x.data_ptr(), x.shape[0], k, int(swiglu), _ptr(weight), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int, head_dim: int) -> None:
+    """In place: the first `rotated` columns of x [rows, n] float32 (contiguous) rotated head by head, cos and sin
+    [rows, head_dim] float32, as q4_matmul's `rotary` does."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise ValueError("rotate_rows needs a contiguous float32 tensor")
+    library().rotate_rows(x.data_ptr(), x.shape[0], x.shape[1], rotated, head_dim, _dense(cos).data_ptr(),
+                          _dense(sin).data_ptr(), torch.get_num_threads())
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from agent.bench.bench import (WEIGHT_LABELS, BenchConfig, best_of, build_histor
                          part_a, part_b, random_turns, render_part_a, render_part_b, sentences)
 import torch
 
+from cache import native
 from cache.policies import PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from tests.helpers import tiny_llama
@@ -71,7 +72,9 @@ def test_part_a_rows_and_ratios(result_a):
     engine = result_a["rows"][1]
     assert engine["same_tokens_as_generate"]  # greedy over the same model: the same continuation
     rows = {row["run"]: row for row in result_a["rows"]}
-    assert [a["weights"] for a in result_a["agreement"]] == [WEIGHT_LABELS[w] for w in CONFIG.weights]
+    labels = [a["weights"] for a in result_a["agreement"]]
+    assert [label[:len(WEIGHT_LABELS[w])] for label, w in zip(labels, CONFIG.weights)] == [WEIGHT_LABELS[w] for w in CONFIG.weights]
+    assert labels[-1].endswith("(native kernel)" if native.q4_fast() else "bfloat16 activations")  # int4's activations
     for agreement, weights in zip(result_a["agreement"], CONFIG.weights):
         assert 0.0 <= agreement["top1"] <= 1.0 and agreement["positions"] == CONFIG.prompt_tokens
         assert agreement["decode_vs_generate_f32"] == rows[f"engine {weights}"]["decode_vs_generate_f32"]

@@ -105,3 +105,24 @@ def test_a_layer_after_attention_is_one_call():
     assert_near(got, middle + down(nn.functional.silu(gate) * up))
     swiglu = native.q4_matmul(torch.cat([gate, up], -1), down.packed, down.scales_zeros, swiglu=True)
     assert_near(swiglu, down(nn.functional.silu(gate) * up))
+
+
+def test_float_layer_glue_equals_torch_ops():
+    """The float32 layer's glue (agent/lean._float_layer): RMS norm and SwiGLU in one call each, the rotation
+    of queries and keys in place, against the ops they replace."""
+    from agent.lean import _rms_norm
+
+    x, weight = torch.randn(3, 64), torch.rand(64) + 0.5
+    torch.testing.assert_close(native.prepare_rows(x, norm=(weight, 1e-5)), _rms_norm(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(3, 128)
+    torch.testing.assert_close(native.prepare_rows(gate_up, swiglu=True),
+                               nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:], rtol=1e-6, atol=1e-6)
+    rows, heads = 3, 4
+    out = torch.randn(rows, heads * HEAD_DIM)
+    angles = torch.rand(rows, HEAD_DIM // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    heads_first = out.view(1, rows, heads, HEAD_DIM).transpose(1, 2)
+    turned, _ = apply_rotary_pos_emb(heads_first[:, :2], heads_first[:, :2], cos[None], sin[None])
+    want = torch.cat([turned, heads_first[:, 2:]], dim=1).transpose(1, 2).reshape(rows, -1)
+    native.rotate_rows(out, cos, sin, 2 * HEAD_DIM, HEAD_DIM)
+    assert torch.equal(out, want)  # the same products and sum, in the same order

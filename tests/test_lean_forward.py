@@ -58,6 +58,8 @@ def test_lean_forward_scores_packed_forks_like_transformers(tiny, monkeypatch):
 
 
 def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(embedded, monkeypatch):
+    monkeypatch.setenv("PALACE_LEAN", "1")
+    assert {layer.kind for layer in lean_forward(embedded.model).layers} == {"float"}  # float32: native glue
     ids = embedded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
                              add_special_tokens=False)["input_ids"]
     want_logits, want_tokens = run(embedded.model, monkeypatch, False, ids, 24)
@@ -83,6 +85,8 @@ def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, 
 
     model = quantize_linear_int4(embedded.model, dot=dot)
     assert model.model.layers[0].mlp.down_proj.dot == dot
+    monkeypatch.setenv("PALACE_LEAN", "1")
+    assert {layer.kind for layer in lean_forward(model).layers} == {"dot" if dot else "modules"}
     ids = embedded.tokenizer("My order KL-20931 never came, the tracking says delivered to a safe place",
                              add_special_tokens=False)["input_ids"]
     want_logits, want_tokens = run(model, monkeypatch, False, ids, 12)

@@ -99,7 +99,7 @@ def test_palace_native_0_turns_them_off(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_compaction_in_place_equals_torch_gather_and_rotation(monkeypatch, kv_dtype):
     """Two stores fed the same tokens by a tiny GQA Llama, then the same scattered evictions: one compacts
-    through the C kernel in place, the other through torch ops (PALACE_NATIVE=0). Same tokens, same
+    through the C kernel in place, the other through torch ops (PALACE_NATIVE=0 while it compacts). Same tokens, same
     positions, keys within float rounding (bfloat16: bit for bit, one rounding of a float32 rotation in
     both), values exactly; the logits of a next forward agree."""
     from agent.engine import forward
@@ -112,15 +112,20 @@ def test_compaction_in_place_equals_torch_gather_and_rotation(monkeypatch, kv_dt
     calls, kernel = [], native.compact_rows
     monkeypatch.setattr(native, "compact_rows", lambda *args: calls.append(args[0].dtype) or kernel(*args))
 
-    def run(use_native: bool):
-        monkeypatch.setenv("PALACE_NATIVE", "1" if use_native else "0")
+    def native_on(on: bool) -> None:
+        monkeypatch.setenv("PALACE_NATIVE", "1" if on else "0")
         native.library.cache_clear()
+
+    def run(use_native: bool):  # only the compactions differ: the forwards run the same (native) path
+        native_on(True)
         store = store_for(model, storage=StorageConfig(kv_dtype))
         forward(model, store, ids)
+        native_on(use_native)
         for drop in evictions:
             kept = torch.ones(store.length, dtype=torch.bool)
             kept[drop] = False
             store.keep(torch.nonzero(kept).flatten())
+        native_on(True)
         return store, [layer.storage.fetch() for layer in store.layers], forward(model, store, ids[:5])
 
     try:
