@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from agent.qlinear import Int4Linear, Q8Head
+from agent.qlinear import DECODE_ROWS, Int4Linear, Q8Head
 from cache import native
 from cache.attention import Piece, palace_attention
 
@@ -134,16 +134,29 @@ def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     head_dim, rotated = attention.head_dim, sizes[0] + sizes[1]
 
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = torch.nn.functional.linear(native.prepare_rows(stream.reshape(-1, stream.shape[-1]), norm=norm_in), qkv)
+        out = torch.nn.functional.linear(_normed(stream.reshape(-1, stream.shape[-1]), norm_in), qkv)
         native.rotate_rows(out, turn.cos, turn.sin, rotated, head_dim)
         return _heads(out.view(*stream.shape[:-1], -1).split(sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         middle = torch.addmm(stream.reshape(-1, stream.shape[-1]), out.reshape(-1, out.shape[-1]), o.t())
-        gated = torch.nn.functional.linear(native.prepare_rows(middle, norm=norm_post), gate_up)
-        return torch.addmm(middle, native.prepare_rows(gated, swiglu=True), down.t()).view_as(stream)
+        gated = torch.nn.functional.linear(_normed(middle, norm_post), gate_up)
+        return torch.addmm(middle, _swiglu(gated), down.t()).view_as(stream)
 
     return _Layer("float", attention, before, after)
+
+
+def _normed(rows: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """RMS norm of [rows, k]: one native call for decode's few rows, torch's vectorized ops for more."""
+    return native.prepare_rows(rows, norm=norm) if rows.shape[0] <= DECODE_ROWS else _rms_norm(rows, *norm)
+
+
+def _swiglu(rows: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2k] (gate first): native for a few rows, else torch's (vectorized exp)."""
+    if rows.shape[0] <= DECODE_ROWS:
+        return native.prepare_rows(rows, swiglu=True)
+    gate, up = rows.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
