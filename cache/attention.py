@@ -166,7 +166,7 @@ def palace_attention(module, query, key, value, attention_mask, scaling=None, dr
         outputs.append(attend_store(query[:, :, start:end], layer.storage, piece.mask, scaling, piece.store,
                                     module.layer_idx))
         start = end
-    return torch.cat(outputs, dim=1).contiguous(), None
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)).contiguous(), None
 
 
 AttentionInterface.register(NAME, palace_attention)
