@@ -21,6 +21,7 @@ import torch
 
 DIM = 384
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PAD_TO = 16  # token lengths are padded to a multiple of this (see Embedder._mean_pooled)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Embedder:
         if dimension() != DIM:
             raise ValueError(f"{path}: embeddings are {dimension()}-d, not {DIM}")
         self.config = config
+        self._direct = [type(m).__name__ for m in self.model] == ["Transformer", "Pooling", "Normalize"] and \
+            getattr(self.model[1], "pooling_mode", None) == "mean"
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._hits = self._misses = 0
         self._lock = threading.Lock()
@@ -77,8 +80,10 @@ class Embedder:
         self._misses += len(missing)
         fresh: dict[str, np.ndarray] = {}
         if missing:
-            vectors = self.model.encode(missing, batch_size=self.config.batch_size, convert_to_numpy=True,
-                                        show_progress_bar=False).astype(np.float32)
+            size = self.config.batch_size
+            vectors = np.concatenate([self._mean_pooled(missing[i:i + size]) for i in range(0, len(missing), size)]) \
+                if self._direct else self.model.encode(missing, batch_size=size, convert_to_numpy=True,
+                                                        show_progress_bar=False).astype(np.float32)
             vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)  # in float32: unit length in any model dtype
             fresh = {text: vector.copy() for text, vector in zip(missing, vectors)}  # rows, not views of the batch
         out = np.empty((len(texts), DIM), dtype=np.float32)
@@ -91,6 +96,19 @@ class Embedder:
         for text, vector in fresh.items():
             self._remember(text, vector)
         return out
+
+    @torch.inference_mode()
+    def _mean_pooled(self, texts: list[str]) -> np.ndarray:
+        """What `encode` computes for a transformer, mean pooling and normalization (the bundled model),
+        without its per-call bookkeeping, and with token lengths padded to a multiple of PAD_TO (masked, so
+        the vectors are the same): oneDNN builds its kernels per shape, and a turn of a length not seen
+        before took twice an embedding's time (20 against 11 ms p50 over a hand-written dialogue's turns)."""
+        transformer = self.model[0]
+        batch = self.model.tokenizer(texts, padding=True, truncation=True, max_length=transformer.max_seq_length,
+                                     pad_to_multiple_of=PAD_TO, return_tensors="pt").to(self.model.device)
+        hidden = transformer.auto_model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        return ((hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)).float().cpu().numpy()
 
     def _remember(self, text: str, vector: np.ndarray) -> None:
         if self.config.cache_size <= 0:

@@ -110,6 +110,20 @@ def test_embedder_bfloat16_agrees_with_float32(embedder):
     with pytest.raises(ValueError, match="unknown embedder dtype 'int8'"):
         EmbedderConfig(dtype="int8")
 
+def test_embedder_pools_as_sentence_transformers_encode_does(embedder):
+    """The embedder's own pass (transformer, mean over the mask, unit length; token lengths padded to a multiple
+    of PAD_TO) gives what sentence-transformers' encode gives, alone or in a batch of other lengths."""
+    texts = ["Hi", "Flat 14, 37 Larch Close, please: the courier keeps going to number 73 instead of mine.",
+             "Can I move the booking FB-22817 to Sunday?"]
+    exact = Embedder(EmbedderConfig(dtype="float32", cache_size=0))
+    assert exact._direct
+    encoded = exact.model.encode(texts, convert_to_numpy=True).astype(np.float32)
+    encoded /= np.linalg.norm(encoded, axis=1, keepdims=True)
+    batch = exact.embed(texts)
+    alone = np.stack([exact.embed(text)[0] for text in texts])
+    assert (batch * encoded).sum(1).min() > 0.99999 and (alone * batch).sum(1).min() > 0.99999
+
+
 # --- index --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
