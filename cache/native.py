@@ -67,7 +67,7 @@ def library_path() -> Path:
     from agent.model import cache_dir
 
     key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), compiler(), *FLAGS, platform.machine(), _cpu_id()]).encode())
-    return cache_dir() / "native" / f"quant_kernels-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "native" / f"kernels-{key.hexdigest()[:16]}.so"
 
 
 def build(path: Path) -> None:
@@ -82,7 +82,7 @@ def build(path: Path) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    for stale in path.parent.glob("quant_kernels-*.so"):
+    for stale in path.parent.glob("*kernels-*.so"):  # earlier builds were named quant_kernels-*
         if stale != path:
             stale.unlink(missing_ok=True)
 

@@ -63,11 +63,12 @@ def test_kernels_equal_the_dense_matmul_on_the_same_codes(kind, dim, moved):
 
 def test_a_new_build_replaces_the_stale_ones_beside_it(monkeypatch, tmp_path):
     monkeypatch.setenv("PALACE_CACHE", str(tmp_path))
-    stale = native.library_path().with_name("quant_kernels-0123456789abcdef.so")
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"an older build")
+    stale = [native.library_path().with_name(name) for name in ("kernels-0123456789abcdef.so", "quant_kernels-0123456789abcdef.so")]
+    stale[0].parent.mkdir(parents=True)
+    for path in stale:
+        path.write_bytes(b"an older build")  # of other sources, or from before the library held more than KV kernels
     native.build(native.library_path())
-    assert [p.name for p in stale.parent.iterdir()] == [native.library_path().name]
+    assert [p.name for p in stale[0].parent.iterdir()] == [native.library_path().name]
 
 
 def test_without_a_compiler_attention_keeps_torch_ops_and_says_why_once(monkeypatch, tmp_path, capsys):
