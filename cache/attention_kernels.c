@@ -8,7 +8,7 @@
  *
  * Layout: keys and values [kv_heads][capacity][dim], `head_stride` floats apart, tokens `dim` floats
  * apart; query and out [heads][dim], query head h reading KV head h / (heads / kv_heads). Float32 sums;
- * exp by a degree-6 polynomial on the reduced argument (relative error ~1e-7). Built by cache/native.py;
+ * exp by kernel_math.h's polynomial (relative error ~1e-7). Built by cache/native.py;
  * only the AVX-512 code is faster than SDPA, so callers ask `attend_fast` first. */
 #include <math.h>
 #include <stdint.h>
@@ -17,27 +17,12 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "kernel_math.h"
 
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_DIM 128  /* head dimension */
 #define MAX_PARTS 64 /* key ranges computed apart (one per thread) */
 
-#ifdef __AVX512F__
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-103.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  /* ln 2 in two parts: r = x - n ln 2 */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 /* exp(scores - peak) in place over n values; returns their sum. */
 static float softmax_weights(float *scores, int n, float peak) {

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c", "attention_kernels.c")),
            Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
-HEADERS = (Path(__file__).with_name("half.h"),)  # included by the sources: part of the build's key
+HEADERS = (Path(__file__).with_name("kernel_math.h"),)  # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 

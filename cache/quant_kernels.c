@@ -11,7 +11,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-#include "half.h"
+#include "kernel_math.h"
 
 static inline float decode_one(const uint8_t *codes, int i, int kind) {
     if (kind == 8) return (float)codes[i];
