@@ -125,7 +125,6 @@ int q8_fast(void) {
 #define Q4_BLOCK 16            /* outputs per block */
 #define Q4_GROUP_BYTES 256     /* one block's codes for one group: 16 outputs x 32 inputs x 4 bits */
 #define Q4_TILE 4              /* activation rows that share one unpacking of a group's codes */
-#define Q4_AHEAD 4             /* groups fetched ahead of use: the weights stream from L3 or memory */
 
 /* One row's groups as two int8 levels (q1 then q2, k bytes each) and per group d1, d2 and the sum. */
 static void q4_quantize_row(const float *x, int k, int8_t *q, float *stats) {
@@ -160,9 +159,6 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *q, const
     for (int r = 0; r < tile; r++) y[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m512i w[8];
-        const uint8_t *ahead = codes + (int64_t)(g + Q4_AHEAD) * Q4_GROUP_BYTES;  /* past the end is harmless */
-        for (int line = 0; line < Q4_GROUP_BYTES; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
-        _mm_prefetch((const char *)(scales + 32 * (g + Q4_AHEAD)), _MM_HINT_T0);
         for (int v = 0; v < 4; v++) {
             const __m512i packed = _mm512_loadu_si512(codes + (int64_t)g * Q4_GROUP_BYTES + 64 * v);
             w[v] = _mm512_and_si512(packed, low);
