@@ -72,7 +72,8 @@ def attend(query, key, value, mask, scaling, store: "KVStore | None" = None, lay
         mask = mask[:, :, :, -kv_len:]
     recording = store is not None and store.recording and not store.frozen
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if q_len == 1 and mask is None and key.dtype == torch.float32 and native.attend_fast() and native.available(key):
+    if (q_len == 1 and mask is None and key.dtype == torch.float32 and key.shape[-1] == native.ATTEND_DIM
+            and native.attend_fast() and native.available(key)):
         done = native.attend_one(query, key, value, scale, recording)  # one decode token: a tenth of SDPA's set-up
         if done is not None:
             if recording:

@@ -260,8 +260,11 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
+ATTEND_DIM = 64  # the head size attend_one has dense AVX-512 code for (other sizes run its scalar loops)
+
+
 def attend_fast() -> bool:
-    """Whether `attend_one` beats SDPA here (built with AVX-512)."""
+    """Whether `attend_one` beats SDPA here (built with AVX-512) for heads of ATTEND_DIM."""
     return library() is not None and bool(library().attend_fast())
 
 

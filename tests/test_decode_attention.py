@@ -48,3 +48,15 @@ def test_attend_takes_the_kernel_for_one_float32_token_and_sdpa_otherwise():
     half = attend(query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, None)
     torch.testing.assert_close(half.float(), want, rtol=0.05, atol=0.05)
     assert native.attend_one(query, keys.transpose(2, 3), values.transpose(2, 3), 0.125, want_mass=False) is None
+
+
+def test_heads_the_kernel_has_no_dense_code_for_stay_with_sdpa(monkeypatch):
+    """attend() takes the kernel for one float32 query over 64-wide heads (its AVX-512 code) where it is
+    fast, and SDPA for other head sizes; both give SDPA's answer."""
+    calls, kernel = [], native.attend_one
+    monkeypatch.setattr(native, "attend_one", lambda *args, **kwargs: calls.append(args[1].shape[-1]) or kernel(*args, **kwargs))
+    for dim in (16, 64):
+        query, keys, values = layer_views(3, 50, dim, seed=2)
+        want = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(attend(query, keys, values, None, None), want, rtol=1e-5, atol=1e-5)
+    assert calls == ([64] if native.attend_fast() else [])
