@@ -15,6 +15,7 @@ test holds the two to the same logits and greedy tokens."""
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -30,22 +31,25 @@ FAMILIES = ("llama",)  # same layer shape as transformers' LlamaDecoderLayer, no
 
 
 
-@dataclass
 class _Rotation:
-    """One forward's rotary angles: cos and sin [n, head_dim] per position, and for torch's arithmetic
-    [1, 1, n, head_dim] with sin negated in its first half (rotate_half(x) * sin is x rolled by half a head
-    times that)."""
+    """One forward's rotary angles, in the form each layer kind reads, built on first use (the native
+    layers never read torch's form, the module layers never the native one)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    cos_heads: torch.Tensor
-    signed_sin_heads: torch.Tensor
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self._cos, self._sin = cos, sin  # [1, n, head_dim], as the model's rotary embedding gives them
 
-    @classmethod
-    def of(cls, cos: torch.Tensor, sin: torch.Tensor) -> "_Rotation":
-        half = cos.shape[-1] // 2
-        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        return cls(cos[0].float().contiguous(), sin[0].float().contiguous(), cos.unsqueeze(1), signed.unsqueeze(1))
+    @functools.cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, head_dim] float32 per position, for the native kernels."""
+        return self._cos[0].float().contiguous(), self._sin[0].float().contiguous()
+
+    @functools.cached_property
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, 1, n, head_dim] with sin negated in its first half: rotate_half(x) * sin is x
+        rolled by half a head times that."""
+        half = self._cos.shape[-1] // 2
+        signed = torch.cat([-self._sin[..., :half], self._sin[..., half:]], dim=-1)
+        return self._cos.unsqueeze(1), signed.unsqueeze(1)
 
 
 @dataclass
@@ -78,7 +82,8 @@ def _modules_layer(layer: torch.nn.Module) -> _Layer:
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         query, key, value = _heads(qkv(_rms_norm(stream, *norm_in)), head_dim)
         heads, both = query.shape[1], torch.cat([query, key], dim=1)  # one rotation for queries and keys
-        both = both * turn.cos_heads + both.roll(half, dims=-1) * turn.signed_sin_heads
+        cos, signed_sin = turn.heads
+        both = both * cos + both.roll(half, dims=-1) * signed_sin
         return both[:, :heads], both[:, heads:], value
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
@@ -89,23 +94,33 @@ def _modules_layer(layer: torch.nn.Module) -> _Layer:
     return _Layer("modules", attention, before, after)
 
 
+def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """q, k, v, o, gate, up, down: the order the native layer kinds index them in."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def _norms(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]]:
+    """The input and post-attention RMS norms as (float32 weight, eps), as the native kernels take them."""
+    return tuple((norm.weight.float().contiguous(), norm.variance_epsilon)
+                 for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
 def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     """The layer in two calls of the native int4 kernels, or None where its modules are not all dot-layout
     int4 without bias under a SiLU MLP: `before` folds the RMS norm and the rotation around the fused
     product, `after` the output projection, residual adds, norm, SwiGLU and MLP (two calls a layer instead
     of about forty small ops)."""
-    attention, mlp = layer.self_attn, layer.mlp
-    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    attention, linears = layer.self_attn, _linears(layer)
     if not silu or not all(type(m) is Int4Linear and m.dot and m.bias is None for m in linears):
         return None
-    norm_in = (layer.input_layernorm.weight.float().contiguous(), layer.input_layernorm.variance_epsilon)
-    norm_post = (layer.post_attention_layernorm.weight.float().contiguous(), layer.post_attention_layernorm.variance_epsilon)
+    norm_in, norm_post = _norms(layer)
     qkv, gate_up, o, down = Int4Linear.fuse(linears[:3]), Int4Linear.fuse(linears[4:6]), linears[3], linears[6]
     head_dim, rotated = attention.head_dim, qkv.sizes[0] + qkv.sizes[1]
 
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = native.q4_matmul(stream.reshape(-1, stream.shape[-1]), qkv.packed, qkv.scales_zeros, norm=norm_in,
-                               rotary=(turn.cos, turn.sin, rotated, head_dim))
+                               rotary=(*turn.rows, rotated, head_dim))
         return _heads(out.view(*stream.shape[:-1], -1).split(qkv.sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
@@ -120,28 +135,26 @@ def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     them in C (`native.prepare_rows`: the RMS norms and SwiGLU; `native.rotate_rows`: queries and keys in
     place) and in the products (the residual adds as `addmm`), about a dozen calls a layer instead of forty
     small ops. None where the weights are not all float32 without bias on the CPU under a SiLU MLP."""
-    attention, mlp = layer.self_attn, layer.mlp
-    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    attention, linears = layer.self_attn, _linears(layer)
     weights = [m.weight for m in linears if type(m) is torch.nn.Linear]
     if (not silu or len(weights) < len(linears) or any(m.bias is not None for m in linears)
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights) or not native.available(*weights)):
         return None
-    norm_in = (layer.input_layernorm.weight.float().contiguous(), layer.input_layernorm.variance_epsilon)
-    norm_post = (layer.post_attention_layernorm.weight.float().contiguous(), layer.post_attention_layernorm.variance_epsilon)
+    norm_in, norm_post = _norms(layer)
     qkv, gate_up = _concatenated(linears[:3]), _concatenated(linears[4:6])
-    o, down = attention.o_proj.weight.detach(), mlp.down_proj.weight.detach()
+    o_t, down_t = linears[3].weight.detach().t(), linears[6].weight.detach().t()  # transposed once, not per call
     sizes = [m.out_features for m in linears[:3]]
     head_dim, rotated = attention.head_dim, sizes[0] + sizes[1]
 
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = torch.nn.functional.linear(_normed(stream.reshape(-1, stream.shape[-1]), norm_in), qkv)
-        native.rotate_rows(out, turn.cos, turn.sin, rotated, head_dim)
+        native.rotate_rows(out, *turn.rows, rotated, head_dim)
         return _heads(out.view(*stream.shape[:-1], -1).split(sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-        middle = torch.addmm(stream.reshape(-1, stream.shape[-1]), out.reshape(-1, out.shape[-1]), o.t())
+        middle = torch.addmm(stream.reshape(-1, stream.shape[-1]), out.reshape(-1, out.shape[-1]), o_t)
         gated = torch.nn.functional.linear(_normed(middle, norm_post), gate_up)
-        return torch.addmm(middle, _swiglu(gated), down.t()).view_as(stream)
+        return torch.addmm(middle, _swiglu(gated), down_t).view_as(stream)
 
     return _Layer("float", attention, before, after)
 
@@ -199,7 +212,7 @@ class LeanLlama:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, pieces: list[Piece], keep: torch.Tensor) -> torch.Tensor:
         """ids and positions [1, n]; the logits [len(keep), vocab]."""
         hidden = torch.nn.functional.embedding(ids, self.embed)
-        turn = _Rotation.of(*self.rotary(hidden, position_ids=positions))
+        turn = _Rotation(*self.rotary(hidden, position_ids=positions))
         for layer in self.layers:
             query, key, value = layer.before(hidden, turn)
             out, _ = palace_attention(layer.attention, query, key, value, None, scaling=layer.attention.scaling,

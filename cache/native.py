@@ -132,7 +132,7 @@ def _operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
 def key_scores(grouped: torch.Tensor, rows: "QuantRows", kind: str, unit: float) -> torch.Tensor:
     """grouped [kv, rows, dim] float32 queries against quantized key rows (cache.quant.QuantRows, a narrow
     view of a tier's) -> [kv, rows, tokens] scores, each row's shift applied."""
-    grouped = grouped.float().contiguous()
+    grouped = _dense(grouped)
     codes, scale, zero = _operands(rows.keys, rows.key_scale, rows.key_zero)
     starts, groups, shifts = rows.runs()
     cos, sin = rows.shifts.cos.contiguous(), rows.shifts.sin.contiguous()
@@ -149,7 +149,7 @@ def value_weighted(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
                    kind: str, unit: float) -> torch.Tensor:
     """weights [kv, rows, n] float32; codes [kv, n, channel groups, channels (int4: channels/2)]; scale and
     zero [kv, n, channel groups, 1] float16 -> [kv, rows, channel groups * channels]."""
-    weights = weights.float().contiguous()
+    weights = _dense(weights)
     codes, scale, zero = _operands(codes, scale, zero)
     heads, rows, tokens = weights.shape
     channel_groups = codes.shape[2]
@@ -171,7 +171,7 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     the keys where `rotate` [n] is set are turned by cos / sin [n, dim / 2]. float32 or bfloat16."""
     heads, dim = keys.shape[1], keys.shape[3]
     index = index.to(torch.int64).contiguous()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    cos, sin = _dense(cos), _dense(sin)
     rotate = rotate.to(torch.uint8).contiguous()
     library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
                            COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
@@ -186,7 +186,7 @@ def q8_fast() -> bool:
 def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, k] float32 times int8 weights (codes [n, k], one float32 scale per 32 inputs: scales
     [n, k / 32]), transposed -> [rows, n] float32."""
-    x = x.float().contiguous()
+    x = _dense(x)
     out = torch.empty(x.shape[0], codes.shape[0], dtype=torch.float32)
     library().q8_matmul(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(), codes.shape[0],
                         out.data_ptr(), torch.get_num_threads())
@@ -209,7 +209,7 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, norm: 
     [k] float32, eps) RMS-normalizes each row first; `residual` [rows, n] float32 is added to the result;
     `rotary` (cos, sin [rows, head_dim] float32, outputs to rotate, head_dim) rotates the first outputs of
     each row head by head (queries and keys)."""
-    x = x.float().contiguous()
+    x = _dense(x)
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     out = torch.empty(x.shape[0], codes.shape[0] * 16, dtype=torch.float32)
     weight, eps = norm if norm is not None else (None, 0.0)
@@ -239,7 +239,7 @@ def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, 
 def prepare_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [rows, k] float32 RMS-normalized by `norm` (weight [k] float32, eps), or with `swiglu` x [rows, 2k]
     -> silu(gate) * up [rows, k]: a float decoder layer's glue in one call (q4_matmul folds the same in)."""
-    x = x.float().contiguous()
+    x = _dense(x)
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     out = torch.empty(x.shape[0], k, dtype=torch.float32)
     weight, eps = norm if norm is not None else (None, 0.0)
@@ -257,6 +257,7 @@ def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: 
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 and contiguous, as every kernel reads its operands (no copy when it already is)."""
     return None if t is None else t.float().contiguous()
 
 
@@ -277,7 +278,7 @@ def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     kv_heads, length = keys.shape[1], keys.shape[2]
     if keys.stride()[2:] != (dim, 1) or values.stride() != keys.stride() or keys.dtype != torch.float32:
         return None
-    query = query.float().contiguous()
+    query = _dense(query)
     out = torch.empty(1, 1, heads, dim, dtype=torch.float32)
     mass = torch.empty(kv_heads, length, dtype=torch.float32) if want_mass else None
     if library().attend_one(query.data_ptr(), heads, kv_heads, dim, keys.data_ptr(), values.data_ptr(), keys.stride(1),
