@@ -7,7 +7,7 @@ level per group of 32 (llama.cpp's Q8) moves 2.4 % of the top-1 tokens.
 
 Why group-wise int4: the embedded model was shipped as GGUF Q4_1 (groups of 32 input weights, each with
 its own scale and minimum), so its linear weights are exactly 4-bit codes per group of 32. `Int4Linear`
-recovers those codes losslessly. Where the native kernel has integer dot products (AVX-512 VNNI) it keeps
+recovers those codes losslessly. Where the native kernel has integer dot products (AVX-512 VNNI, or AVX2) it keeps
 them in that kernel's layout and quantizes each group of activations in two int8 levels (the second holds
 what the first rounded away: about 1/127^2 of the group's largest value is left), which agrees with
 float32 on 100 % of the bench text's top-1 tokens and reads 4 bits a weight with 3x fewer instructions
@@ -42,9 +42,9 @@ class Int4Linear(nn.Module):
     """Group-wise asymmetric 4-bit weights: w = code * scale + minimum per group of `group` inputs.
     Exact for weights that came from GGUF Q4_1 (codes are recovered, not re-rounded).
 
-    Two layouts of the same codes. Where the native kernel runs on integer dot products (AVX-512 VNNI,
+    Two layouts of the same codes. Where the native kernel runs on integer dot products (AVX-512 VNNI or AVX2,
     `native.q4_fast()`), its own (`dot`): activations are quantized per group in two int8 levels and
-    multiplied by the codes with vpdpbusd, scales and minimums kept as float16 (exact for Q4_1, which
+    multiplied by the codes with vpdpbusd (AVX2: vpmaddubsw), scales and minimums kept as float16 (exact for Q4_1, which
     stores them so). Elsewhere torch's CPU int4 layout and `_weight_int4pack_mm_for_cpu`, which widens
     every code to a float and takes bfloat16 activations: about 3x the instructions per weight."""
 

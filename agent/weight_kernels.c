@@ -5,40 +5,45 @@
  * GGUF Q8_0's layout; w[n][k] = codes[n][k] * scales[n][k / 32]. Activations and outputs are float32 and
  * the sums are float32, so the result equals a float32 matmul with the dequantized weights up to the
  * order of the additions. Each group of codes is widened once into registers and used for every row.
- * Built by cache/native.py with the KV kernels. Only the AVX-512 code beats a float32 matmul (an AVX2
- * version measured 1.4x slower: widening int8 is the bound), so callers ask `q8_fast` first; the
- * scalar code elsewhere keeps the result defined for the tests. */
+ * Built by cache/native.py with the KV kernels. The vector code (kernel_math.h: AVX-512, or AVX2 with
+ * FMA and F16C) reads a quarter of a float32 matmul's bytes and beats it; callers ask `q8_fast` first, and
+ * the scalar code elsewhere keeps the result defined for the tests. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include "../cache/kernel_math.h"
 
 #define GROUP 32
 #define MAX_ROWS 8
 
-#if defined(__AVX512F__)
-/* One row of activations against four outputs at a time: eight independent sums, so the adds of one
- * output do not wait on each other. Outputs [first, last), last - first a multiple of 4. */
-static void q8_row4(const float *x, int k, const int8_t *codes, const float *scales, int first, int last, float *out) {
+#define CHUNKS (GROUP / VLEN) /* vectors a group */
+
+#ifdef PALACE_VECTOR
+/* One row of activations against four outputs at a time (four independent sums: one output's adds do not
+ * wait on each other's). Outputs [first, last) of n_out, last - first a multiple of 4. Each group's products are
+ * summed, then scaled. */
+static void q8_row4(const float *x, int k, const int8_t *codes, const float *scales, int first, int last, int n_out,
+                    float *out) {
     const int groups = k / GROUP;
     for (int n = first; n < last; n += 4) {
-        __m512 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+        /* four short rows are four streams too short for the hardware prefetcher to learn: fetch the rows
+         * two steps ahead (their lines are contiguous) while these are summed */
+        const char *ahead = (const char *)(codes + (int64_t)(n + 8) * k);
+        for (int line = 0; line < 4 * k && n + 12 <= n_out; line += 64) __builtin_prefetch(ahead + line);
+        vfloat acc[4];
+        for (int j = 0; j < 4; j++) acc[j] = vzero();
         for (int g = 0; g < groups; g++) {
-            const __m512 x0 = _mm512_loadu_ps(x + g * GROUP), x1 = _mm512_loadu_ps(x + g * GROUP + 16);
+            vfloat xs[CHUNKS];
+            for (int c = 0; c < CHUNKS; c++) xs[c] = vload(x + g * GROUP + c * VLEN);
             for (int j = 0; j < 4; j++) {
-                const int8_t *c = codes + (int64_t)(n + j) * k + g * GROUP;
-                const __m512 s = _mm512_set1_ps(scales[(int64_t)(n + j) * groups + g]);
-                const __m512 x0s = _mm512_mul_ps(x0, s), x1s = _mm512_mul_ps(x1, s);
-                acc[2 * j] = _mm512_fmadd_ps(x0s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), acc[2 * j]);
-                acc[2 * j + 1] = _mm512_fmadd_ps(x1s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), acc[2 * j + 1]);
+                const int8_t *w = codes + (int64_t)(n + j) * k + g * GROUP;
+                vfloat part = vmul(xs[0], vfrom_i8(w));
+                for (int c = 1; c < CHUNKS; c++) part = vfma(xs[c], vfrom_i8(w + c * VLEN), part);
+                acc[j] = vfma(part, vset1(scales[(int64_t)(n + j) * groups + g]), acc[j]);
             }
         }
-        for (int j = 0; j < 4; j++) out[n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * j], acc[2 * j + 1]));
+        for (int j = 0; j < 4; j++) out[n + j] = vsum(acc[j]);
     }
 }
 #endif
@@ -50,20 +55,19 @@ static void q8_block(const float *x, int rows, int k, const int8_t *codes, const
     for (int n = first; n < last; n++) {
         const int8_t *row = codes + (int64_t)n * k;
         const float *scale = scales + (int64_t)n * groups;
-#if defined(__AVX512F__)
-        __m512 acc[MAX_ROWS];
-        for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+#ifdef PALACE_VECTOR
+        vfloat acc[MAX_ROWS];
+        for (int m = 0; m < rows; m++) acc[m] = vzero();
         for (int g = 0; g < groups; g++) {
-            const int8_t *c = row + g * GROUP;
-            const __m512 s = _mm512_set1_ps(scale[g]);
-            const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), s);
-            const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), s);
+            const vfloat s = vset1(scale[g]);
+            vfloat w[CHUNKS];
+            for (int c = 0; c < CHUNKS; c++) w[c] = vmul(vfrom_i8(row + g * GROUP + c * VLEN), s);
             for (int m = 0; m < rows; m++) {
                 const float *xm = x + (int64_t)m * k + g * GROUP;
-                acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xm + 16), w1, _mm512_fmadd_ps(_mm512_loadu_ps(xm), w0, acc[m]));
+                for (int c = 0; c < CHUNKS; c++) acc[m] = vfma(vload(xm + c * VLEN), w[c], acc[m]);
             }
         }
-        for (int m = 0; m < rows; m++) out[(int64_t)m * n_out + n] = _mm512_reduce_add_ps(acc[m]);
+        for (int m = 0; m < rows; m++) out[(int64_t)m * n_out + n] = vsum(acc[m]);
 #else
         for (int m = 0; m < rows; m++) {
             const float *xm = x + (int64_t)m * k;
@@ -88,9 +92,9 @@ void q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int b = 0; b < blocks; b++) {
             const int first = b * 64, last = first + 64 < n_out ? first + 64 : n_out;
-#if defined(__AVX512F__)
+#ifdef PALACE_VECTOR
             if (count == 1 && last - first == 64) {
-                q8_row4(x + (int64_t)m0 * k, k, codes, scales, first, last, out + (int64_t)m0 * n_out);
+                q8_row4(x + (int64_t)m0 * k, k, codes, scales, first, last, n_out, out + (int64_t)m0 * n_out);
                 continue;
             }
 #endif
@@ -100,9 +104,9 @@ void q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float
 }
 
 
-/* 1 where the kernel above is faster than a float32 matmul of the same weights (built with AVX-512). */
+/* 1 where the kernel above is faster than a float32 matmul of the same weights (built with vector code). */
 int q8_fast(void) {
-#if defined(__AVX512F__)
+#ifdef PALACE_VECTOR
     return 1;
 #else
     return 0;
@@ -115,7 +119,8 @@ int q8_fast(void) {
  * w = c * s + m), in a layout made for VNNI's dot product of unsigned by signed bytes (vpdpbusd): for each
  * block of 16 outputs and each group, four 64-byte vectors; byte 4 * o + j of vector v holds output o's
  * code for input 4 * v + j in its low nibble and for input 16 + 4 * v + j in its high nibble, so one
- * vpdpbusd against 4 broadcast activation bytes adds 4 products into each output's lane. Scales and
+ * vpdpbusd against 4 broadcast activation bytes adds 4 products into each output's lane (AVX2 reads each
+ * 64 bytes as two vectors of 8 outputs and does the same with vpmaddubsw and vpmaddwd). Scales and
  * minimums are float16: [blocks][groups][2][16] (16 scales, then 16 minimums).
  *
  * Activations: each group of 32 is quantized twice to int8 (llama.cpp's Q8 with a second pass over the
@@ -146,43 +151,69 @@ static void q4_quantize_row(const float *x, int k, int8_t *q, float *stats) {
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-static inline __m512i q4_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+/* Each lane's dot product of its 32 codes (w: 8 vectors holding 4 codes a lane, in the layout above) with
+ * one group's 32 activations q, as int32: one instruction a vector with VNNI, two without. */
+#if defined(PALACE_VECTOR) && defined(__AVX512VNNI__)
+#define Q4_DOT 1
+static inline vint q4_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline vint q4_load(const uint8_t *p) { return _mm512_loadu_si512(p); }
+static inline vint q4_low(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
+static inline vint q4_high(vint v) { return q4_low(_mm512_srli_epi16(v, 4)); }
+static inline vint q4_group_dot(const vint w[8], const int8_t *q) {
+    vint a = _mm512_setzero_si512(), b = a;
+    for (int v = 0; v < 4; v++) {
+        a = _mm512_dpbusd_epi32(a, w[v], q4_bcast(q + 4 * v));
+        b = _mm512_dpbusd_epi32(b, w[4 + v], q4_bcast(q + 16 + 4 * v));
+    }
+    return _mm512_add_epi32(a, b);
+}
+#elif defined(PALACE_VECTOR) && !defined(__AVX512F__)
+#define Q4_DOT 1
+static inline vint q4_bcast(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline vint q4_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vint q4_low(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+static inline vint q4_high(vint v) { return q4_low(_mm256_srli_epi16(v, 4)); }
+static inline vint q4_group_dot(const vint w[8], const int8_t *q) {
+    /* AVX2: pairs of products summed as int16 (each at most 2 * 15 * 127, so eight such sums still fit),
+     * then widened to int32 pairwise once */
+    vint sum = _mm256_setzero_si256();
+    for (int v = 0; v < 4; v++) {
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[v], q4_bcast(q + 4 * v)));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[4 + v], q4_bcast(q + 16 + 4 * v)));
+    }
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+}
+#endif
 
-/* `tile` rows (1..Q4_TILE, a constant where inlined) against one block of 16 outputs. */
+#ifdef Q4_DOT
+/* `tile` rows (1..Q4_TILE, a constant where inlined) against one block of 16 outputs, VLEN outputs at a time. */
 static inline __attribute__((always_inline)) void q4_tile(const int8_t *q, const float *stats, int k, const uint8_t *codes,
                                                             const uint16_t *scales, const float *residual, float *out,
                                                             int n_out, const int tile) {
     const int groups = k / GROUP;
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 y[Q4_TILE];
-    for (int r = 0; r < tile; r++) y[r] = _mm512_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        __m512i w[8];
-        for (int v = 0; v < 4; v++) {
-            const __m512i packed = _mm512_loadu_si512(codes + (int64_t)g * Q4_GROUP_BYTES + 64 * v);
-            w[v] = _mm512_and_si512(packed, low);
-            w[4 + v] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        }
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32 * g)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32 * g + 16)));
-        for (int r = 0; r < tile; r++) {
-            const int8_t *q1 = q + (int64_t)r * 2 * k + g * GROUP, *q2 = q1 + k;
-            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512(), c = _mm512_setzero_si512(), d = _mm512_setzero_si512();
+    for (int h = 0; h < Q4_BLOCK / VLEN; h++) {
+        vfloat y[Q4_TILE];
+        for (int r = 0; r < tile; r++) y[r] = vzero();
+        for (int g = 0; g < groups; g++) {
+            vint w[8];
             for (int v = 0; v < 4; v++) {
-                a = _mm512_dpbusd_epi32(a, w[v], q4_bcast(q1 + 4 * v));
-                b = _mm512_dpbusd_epi32(b, w[4 + v], q4_bcast(q1 + 16 + 4 * v));
-                c = _mm512_dpbusd_epi32(c, w[v], q4_bcast(q2 + 4 * v));
-                d = _mm512_dpbusd_epi32(d, w[4 + v], q4_bcast(q2 + 16 + 4 * v));
+                const vint packed = q4_load(codes + (int64_t)g * Q4_GROUP_BYTES + 64 * v + 4 * VLEN * h);
+                w[v] = q4_low(packed);
+                w[4 + v] = q4_high(packed);
             }
-            const float *st = stats + ((int64_t)r * groups + g) * 3;
-            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), _mm512_set1_ps(st[0]),
-                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(c, d)), _mm512_set1_ps(st[1])));
-            y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(st[2]), _mm512_fmadd_ps(dot, s, y[r]));
+            const vfloat s = vfrom_half(scales + 32 * g + VLEN * h), m = vfrom_half(scales + 32 * g + 16 + VLEN * h);
+            for (int r = 0; r < tile; r++) {
+                const int8_t *q1 = q + (int64_t)r * 2 * k + g * GROUP, *q2 = q1 + k;
+                const float *st = stats + ((int64_t)r * groups + g) * 3;
+                const vfloat dot = vfma(vfrom_i32(q4_group_dot(w, q1)), vset1(st[0]), vmul(vfrom_i32(q4_group_dot(w, q2)), vset1(st[1])));
+                y[r] = vfma(m, vset1(st[2]), vfma(dot, s, y[r]));
+            }
+        }
+        for (int r = 0; r < tile; r++) {
+            float *o = out + (int64_t)r * n_out + VLEN * h;
+            vstore(o, residual ? vadd(y[r], vload(residual + (int64_t)r * n_out + VLEN * h)) : y[r]);
         }
     }
-    for (int r = 0; r < tile; r++)
-        _mm512_storeu_ps(out + (int64_t)r * n_out, residual ? _mm512_add_ps(y[r], _mm512_loadu_ps(residual + (int64_t)r * n_out)) : y[r]);
 }
 #endif
 
@@ -191,7 +222,7 @@ static inline __attribute__((always_inline)) void q4_tile(const int8_t *q, const
 static void q4_block(const int8_t *q, const float *stats, int rows, int k, const uint8_t *codes, const uint16_t *scales,
                      const float *residual, float *out, int n_out) {
     const int groups = k / GROUP;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#ifdef Q4_DOT
     int r = 0;
     for (; r + Q4_TILE <= rows; r += Q4_TILE)
         q4_tile(q + (int64_t)r * 2 * k, stats + (int64_t)r * groups * 3, k, codes, scales,
@@ -227,11 +258,11 @@ static void q4_block(const int8_t *q, const float *stats, int rows, int k, const
 static void prepare_row(const float *x, int k, int swiglu, const float *norm, float eps, float *row) {
     int i = 0;
     if (swiglu) {
-#ifdef __AVX512F__
-        for (; i + 16 <= k; i += 16) {  /* gate / (1 + exp(-gate)) * up, sixteen at a time */
-            const __m512 gate = _mm512_loadu_ps(x + i);
-            const __m512 sigmoid = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
-            _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_div_ps(gate, sigmoid), _mm512_loadu_ps(x + k + i)));
+#ifdef PALACE_VECTOR
+        for (; i + VLEN <= k; i += VLEN) {  /* gate / (1 + exp(-gate)) * up, a vector at a time */
+            const vfloat gate = vload(x + i);
+            const vfloat sigmoid = vadd(vset1(1.0f), vexp(vsub(vzero(), gate)));
+            vstore(row + i, vmul(vdiv(gate, sigmoid), vload(x + k + i)));
         }
 #endif
         for (; i < k; i++) row[i] = x[i] / (1.0f + expf(-x[i])) * x[k + i];
@@ -347,9 +378,10 @@ void rotate_rows(float *x, int rows, int n, int rotated, int head_dim, const flo
     rotate_heads(x, rows, n, rotated, head_dim, cos, sin);
 }
 
-/* 1 where q4_matmul uses integer dot products (built with AVX-512 VNNI), else its scalar reference runs. */
+/* 1 where q4_matmul uses integer dot products (built with AVX-512 VNNI, or AVX2 without AVX-512), else its
+ * scalar reference runs. */
 int q4_fast(void) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#ifdef Q4_DOT
     return 1;
 #else
     return 0;

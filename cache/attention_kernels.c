@@ -8,15 +8,13 @@
  *
  * Layout: keys and values [kv_heads][capacity][dim], `head_stride` floats apart, tokens `dim` floats
  * apart; query and out [heads][dim], query head h reading KV head h / (heads / kv_heads). Float32 sums;
- * exp by kernel_math.h's polynomial (relative error ~1e-7). Built by cache/native.py;
- * only the AVX-512 code is faster than SDPA, so callers ask `attend_fast` first. */
+ * exp by kernel_math.h's polynomial (relative error ~1e-7). Built by cache/native.py; the vector code
+ * (AVX-512 or AVX2, kernel_math.h) is faster than SDPA, the scalar loops are not, so callers ask
+ * `attend_fast` first. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include "kernel_math.h"
 
 #define MAX_GROUP 16 /* query heads per KV head */
@@ -28,15 +26,15 @@
 static float softmax_weights(float *scores, int n, float peak) {
     int j = 0;
     float total = 0.0f;
-#ifdef __AVX512F__
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(peak);
-    for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift));
-        _mm512_storeu_ps(scores + j, e);
-        sum = _mm512_add_ps(sum, e);
+#ifdef PALACE_VECTOR
+    vfloat sum = vzero();
+    const vfloat shift = vset1(peak);
+    for (; j + VLEN <= n; j += VLEN) {
+        const vfloat e = vexp(vsub(vload(scores + j), shift));
+        vstore(scores + j, e);
+        sum = vadd(sum, e);
     }
-    total = _mm512_reduce_add_ps(sum);
+    total = vsum(sum);
 #endif
     for (; j < n; j++) total += scores[j] = expf(scores[j] - peak);
     return total;
@@ -44,20 +42,24 @@ static float softmax_weights(float *scores, int n, float peak) {
 
 /* Keys [first, last) of one KV head for its `group` query heads: scores into scores[i * stride + j], then
  * with the part's own peak per head, exp(score - peak) in place, their sums and the unnormalized weighted
- * values (out [group][dim]). Dense (AVX-512) code for head_dim 64, the scalar loops otherwise. */
+ * values (out [group][dim]). Dense vector code for head_dim 64, the scalar loops otherwise. */
 static void attend_part(const float *query, int group, int dim, const float *keys, const float *values, int first,
                         int last, float scale, float *scores, int64_t stride, float *peak, float *sum, float *out) {
     for (int i = 0; i < group; i++) peak[i] = -INFINITY;
-#ifdef __AVX512F__
+#ifdef PALACE_VECTOR
     if (dim == 64 && group <= MAX_GROUP) {
+        enum { PIECES = 64 / VLEN };  /* vectors a head */
         for (int j = first; j < last; j++) {
-            const float *k = keys + (int64_t)j * 64;
-            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);
+            vfloat k[PIECES];
+            for (int d = 0; d < PIECES; d++) k[d] = vload(keys + (int64_t)j * 64 + d * VLEN);
             for (int i = 0; i < group; i++) {
                 const float *q = query + i * 64;
-                const __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, _mm512_mul_ps(_mm512_loadu_ps(q), k0));
-                const __m512 b = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, _mm512_mul_ps(_mm512_loadu_ps(q + 16), k1));
-                const float score = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+                vfloat a = vmul(vload(q), k[0]), b = vmul(vload(q + VLEN), k[1]);  /* two chains of sums */
+                for (int d = 2; d < PIECES; d += 2) {
+                    a = vfma(vload(q + d * VLEN), k[d], a);
+                    b = vfma(vload(q + (d + 1) * VLEN), k[d + 1], b);
+                }
+                const float score = vsum(vadd(a, b)) * scale;
                 scores[i * stride + j] = score;
                 peak[i] = score > peak[i] ? score : peak[i];
             }
@@ -65,17 +67,13 @@ static void attend_part(const float *query, int group, int dim, const float *key
         for (int i = 0; i < group; i++) sum[i] = softmax_weights(scores + i * stride + first, last - first, peak[i]);
         for (int i = 0; i < group; i++) {
             const float *w = scores + i * stride;
-            __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+            vfloat o[PIECES];
+            for (int d = 0; d < PIECES; d++) o[d] = vzero();
             for (int j = first; j < last; j++) {
-                const float *v = values + (int64_t)j * 64;
-                const __m512 weight = _mm512_set1_ps(w[j]);
-                o0 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v), o0);
-                o1 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16), o1);
-                o2 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 32), o2);
-                o3 = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 48), o3);
+                const vfloat weight = vset1(w[j]);
+                for (int d = 0; d < PIECES; d++) o[d] = vfma(weight, vload(values + (int64_t)j * 64 + d * VLEN), o[d]);
             }
-            float *o = out + i * 64;
-            _mm512_storeu_ps(o, o0), _mm512_storeu_ps(o + 16, o1), _mm512_storeu_ps(o + 32, o2), _mm512_storeu_ps(o + 48, o3);
+            for (int d = 0; d < PIECES; d++) vstore(out + i * 64 + d * VLEN, o[d]);
         }
         return;
     }
@@ -165,9 +163,9 @@ int attend_one(const float *query, int heads, int kv_heads, int dim, const float
     return 0;
 }
 
-/* 1 where attend_one beats SDPA (built with AVX-512). */
+/* 1 where attend_one beats SDPA (built with vector code: AVX-512, or AVX2 with FMA and F16C). */
 int attend_fast(void) {
-#ifdef __AVX512F__
+#ifdef PALACE_VECTOR
     return 1;
 #else
     return 0;

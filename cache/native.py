@@ -179,7 +179,8 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
 
 
 def q8_fast() -> bool:
-    """Whether the int8 output-layer kernel beats a float32 matmul on this machine (it needs AVX-512)."""
+    """Whether the int8 output-layer kernel beats a float32 matmul on this machine (its vector code: AVX-512,
+    or AVX2 with FMA and F16C)."""
     return library() is not None and bool(library().q8_fast())
 
 
@@ -195,7 +196,7 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 def q4_fast() -> bool:
-    """Whether the int4 kernel runs on integer dot products here (AVX-512 VNNI); elsewhere its scalar
+    """Whether the int4 kernel runs on integer dot products here (AVX-512 VNNI, or AVX2 without AVX-512); elsewhere its scalar
     reference is exact but slow, so Int4Linear keeps torch's layout and kernel."""
     return library() is not None and bool(library().q4_fast())
 
@@ -261,11 +262,11 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-ATTEND_DIM = 64  # the head size attend_one has dense AVX-512 code for (other sizes run its scalar loops)
+ATTEND_DIM = 64  # the head size attend_one has dense vector code for (other sizes run its scalar loops)
 
 
 def attend_fast() -> bool:
-    """Whether `attend_one` beats SDPA here (built with AVX-512) for heads of ATTEND_DIM."""
+    """Whether `attend_one` beats SDPA here (built with AVX-512 or AVX2) for heads of ATTEND_DIM."""
     return library() is not None and bool(library().attend_fast())
 
 

@@ -1,6 +1,6 @@
 """One decode token's attention in the native kernel (cache/attention_kernels.c): the same output as SDPA and
 the same attention mass as `attention_mass`, over strided views of a store, for GQA and plain heads, the
-AVX-512 head size and any other, split over threads or not."""
+vector code's head size and any other, split over threads or not."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_attend_takes_the_kernel_for_one_float32_token_and_sdpa_otherwise():
 
 
 def test_heads_the_kernel_has_no_dense_code_for_stay_with_sdpa(monkeypatch):
-    """attend() takes the kernel for one float32 query over 64-wide heads (its AVX-512 code) where it is
+    """attend() takes the kernel for one float32 query over 64-wide heads (its vector code) where it is
     fast, and SDPA for other head sizes; both give SDPA's answer."""
     calls, kernel = [], native.attend_one
     monkeypatch.setattr(native, "attend_one", lambda *args, **kwargs: calls.append(args[1].shape[-1]) or kernel(*args, **kwargs))

@@ -145,3 +145,48 @@ def test_compaction_in_place_equals_torch_gather_and_rotation(monkeypatch, kv_dt
         else:
             torch.testing.assert_close(fast_keys, slow_keys, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
+
+
+# Each instruction set the kernels have code for, built on this (x86) machine by turning the wider ones off:
+# CI's CPU runs one of them natively, the others here. (name, compiler flags, integer dots, vector code)
+INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-avx512f", "-mno-avx2"], False, False)]
+
+
+@pytest.mark.parametrize("name,flags,dots,vector", INSTRUCTION_SETS, ids=[s[0] for s in INSTRUCTION_SETS])
+def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, name, flags, dots, vector):
+    """The weight and attention kernels built for AVX2 (no AVX-512) and for no vector unit at all: each
+    reports what it runs fast, and its int4, int8, SwiGLU and one-token attention results match float math."""
+    import torch.nn.functional as F
+
+    from tests.test_decode_attention import layer_views
+    from tests.test_int4_kernels import activations, int4, q4_weights
+
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {native.compiler()} "$@" {" ".join(flags)}\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PALACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        assert (native.q4_fast(), native.q8_fast(), native.attend_fast()) == (dots, vector, vector)
+        weight, x = q4_weights(48, 96, seed=1), activations(5, 96, seed=2)
+        layer = int4(weight)
+        want = x.double() @ weight.double().t()
+        error = (native.q4_matmul(x, layer.packed, layer.scales_zeros).double() - want).abs().max()
+        assert error / (x.abs().double() @ weight.abs().double().t()).max() < 1e-4
+        codes = torch.randint(-127, 128, (200, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+        scales = torch.rand(200, 3, generator=torch.Generator().manual_seed(4)) * 0.02
+        dense = (codes.float().reshape(200, 3, 32) * scales[..., None]).reshape(200, 96)
+        for rows in (1, 3):
+            want = x[:rows] @ dense.T
+            torch.testing.assert_close(native.q8_matmul(x[:rows], codes, scales), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        gate_up = torch.randn(3, 2 * 40) * 4
+        torch.testing.assert_close(native.prepare_rows(gate_up, swiglu=True), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                                   rtol=1e-6, atol=1e-6)
+        query, keys, values = layer_views(3, 300, 64, seed=5)
+        out, _ = native.attend_one(query, keys, values, 0.125, want_mass=True)
+        want = F.scaled_dot_product_attention(query, keys, values, scale=0.125, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        native.library.cache_clear()
