@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "../cache/kernel_math.h"
+#include "../cache/attention_kernels.h"
 
 #define GROUP 32
 #define MAX_ROWS 8
@@ -364,6 +365,57 @@ int q4_mlp(const float *attended, const float *stream, int rows, int d, int ff, 
     free(mid);
     free(gated);
     return 0;
+}
+
+/* A decoder layer's int4 weights (q4_matmul's layout; qkv and gate_up fused) and norms, built once a layer by
+ * agent/lean.py (its ctypes twin is native.Q4Layer). */
+typedef struct {
+    const uint8_t *qkv_codes, *o_codes, *gate_up_codes, *down_codes;
+    const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const float *norm_in, *norm_post;
+    float eps_in, eps_post;
+    int d, ff, heads, kv_heads, head_dim;
+} q4_layer;
+
+/* One decode token through a decoder layer over its float32 KV buffers, in one parallel region: the input
+ * norm, queries, keys and values and their rotation (cos, sin [head_dim] of the token's position); the new
+ * key and value written at row `length` of keys and values ([kv_heads] heads head_stride floats apart, rows
+ * head_dim apart); attention over rows [0, length]; then q4_mlp's steps. stream [d] in, the new stream to
+ * out [d]; mass (may be NULL) [length + 1] gains the attention weights summed over heads. Returns 0, or -1
+ * when the scratch cannot be allocated or the heads are beyond the attention kernel's limits (nothing
+ * written then). */
+int q4_decode_layer(const q4_layer *w, const float *stream, const float *cos, const float *sin, float *keys,
+                    float *values, int64_t head_stride, int length, float scale, float *mass, float *out, int threads) {
+    const int hd = w->head_dim, q_size = w->heads * hd, kv_size = w->kv_heads * hd, n_qkv = q_size + 2 * kv_size;
+    q4_scratch s;
+    attend_scratch a;
+    float *qkv = malloc((size_t)n_qkv * sizeof(float)), *attended = malloc((size_t)q_size * sizeof(float));
+    float *mid = malloc((size_t)w->d * sizeof(float)), *gated = malloc((size_t)2 * w->ff * sizeof(float));
+    const int ready = !q4_scratch_alloc(&s, 1, w->d > w->ff ? w->d : w->ff) && qkv && attended && mid && gated;
+    const int attending = ready && attend_scratch_alloc(&a, w->heads, w->kv_heads, hd, length + 1, threads);
+    if (attending) {
+#pragma omp parallel num_threads(threads)
+        {
+            q4_product(stream, 1, w->d, 0, w->norm_in, w->eps_in, w->qkv_codes, w->qkv_scales, n_qkv, NULL, qkv, &s);
+            rotate_heads(qkv, 1, n_qkv, q_size + kv_size, hd, cos, sin);
+#pragma omp for schedule(static)
+            for (int h = 0; h < w->kv_heads; h++) {
+                memcpy(keys + h * head_stride + (int64_t)length * hd, qkv + q_size + h * hd, (size_t)hd * sizeof(float));
+                memcpy(values + h * head_stride + (int64_t)length * hd, qkv + q_size + kv_size + h * hd, (size_t)hd * sizeof(float));
+            }
+            attend_team(qkv, w->heads, w->kv_heads, hd, keys, values, head_stride, length + 1, scale, attended, mass, 1, &a);
+            q4_product(attended, 1, w->d, 0, NULL, 0.0f, w->o_codes, w->o_scales, w->d, stream, mid, &s);
+            q4_product(mid, 1, w->d, 0, w->norm_post, w->eps_post, w->gate_up_codes, w->gate_up_scales, 2 * w->ff, NULL, gated, &s);
+            q4_product(gated, 1, w->ff, 1, NULL, 0.0f, w->down_codes, w->down_scales, w->d, mid, out, &s);
+        }
+        attend_scratch_free(&a);
+    }
+    q4_scratch_free(&s);
+    free(qkv);
+    free(attended);
+    free(mid);
+    free(gated);
+    return attending ? 0 : -1;
 }
 
 /* For float layers (their products stay torch's): prepare_row over rows [rows][swiglu ? 2k : k] into

@@ -16,10 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kernel_math.h"
+#include "attention_kernels.h"
 
-#define MAX_GROUP 16 /* query heads per KV head */
-#define MAX_DIM 128  /* head dimension */
-#define MAX_PARTS 64 /* key ranges computed apart (one per thread) */
 
 
 /* exp(scores - peak) in place over n values; returns their sum. */
@@ -94,72 +92,100 @@ static void attend_part(const float *query, int group, int dim, const float *key
     }
 }
 
-/* out [heads][dim] = softmax(query . keys^T * scale) . values for one query per head; mass [kv_heads][length]
- * (may be NULL) the weights summed over each KV head's query heads. The keys are split in `threads` parts,
- * each part of every head computed with its own peak, then combined (flash-decoding's rescale), so two
- * threads share three KV heads evenly. Returns 0, or -1 when the scratch cannot be allocated or the group
- * or head dimension exceed MAX_GROUP / MAX_DIM (out is then untouched). */
-int attend_one(const float *query, int heads, int kv_heads, int dim, const float *keys, const float *values,
-               int64_t head_stride, int length, float scale, float *out, float *mass, int threads) {
-    const int group = heads / kv_heads;
-    if (group > MAX_GROUP || group * kv_heads != heads || length < 1 || dim > MAX_DIM) return -1;
+/* The parts the keys are split in: one per thread, none shorter than 32 keys. 0 where the shapes are beyond
+ * MAX_GROUP / MAX_DIM or no memory is left for the scratch (nothing is left allocated then). */
+int attend_scratch_alloc(attend_scratch *s, int heads, int kv_heads, int dim, int length, int threads) {
+    const int group = kv_heads > 0 ? heads / kv_heads : 0;
+    if (group < 1 || group > MAX_GROUP || group * kv_heads != heads || length < 1 || dim > MAX_DIM) return 0;
     int parts = threads < 1 ? 1 : threads > MAX_PARTS ? MAX_PARTS : threads;
     if (parts > length / 32) parts = length / 32 > 0 ? length / 32 : 1;
-    float *scores = malloc((size_t)heads * length * sizeof(float));
-    float *partial = malloc((size_t)parts * heads * (dim + 2) * sizeof(float));  /* per part and head: peak, sum, out */
-    if (!scores || !partial) { free(scores); free(partial); return -1; }
-#pragma omp parallel num_threads(parts)
-    {
+    s->parts = parts;
+    s->scores = malloc((size_t)heads * length * sizeof(float));
+    s->partial = malloc((size_t)parts * heads * (dim + 2) * sizeof(float));
+    if (s->scores && s->partial) return parts;
+    free(s->scores);
+    free(s->partial);
+    return 0;
+}
+
+void attend_scratch_free(attend_scratch *s) { free(s->scores); free(s->partial); }
+
+/* out [heads][dim] = softmax(query . keys^T * scale) . values for one query per head, by every thread of a
+ * parallel region (its loops are shared out and end on barriers). The keys are split in the scratch's
+ * parts, each part of every head computed with its own peak, then combined (flash-decoding's rescale), so
+ * two threads share three KV heads evenly. mass (may be NULL): with `accumulate`, mass [length] gains the
+ * weights summed over all heads; else mass [kv_heads][length] gets them summed over each KV head's query
+ * heads. */
+void attend_team(const float *query, int heads, int kv_heads, int dim, const float *keys, const float *values,
+                 int64_t head_stride, int length, float scale, float *out, float *mass, int accumulate,
+                 const attend_scratch *s) {
+    const int group = heads / kv_heads, parts = s->parts;
+    float *scores = s->scores, *partial = s->partial;
 #pragma omp for schedule(static)
-        for (int p = 0; p < parts; p++) {
-            const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
-            for (int h = 0; h < kv_heads; h++) {
-                float *mine = partial + ((int64_t)p * heads + h * group) * (dim + 2);
-                float peak[MAX_GROUP], sum[MAX_GROUP], o[MAX_GROUP * MAX_DIM];
-                attend_part(query + (int64_t)h * group * dim, group, dim, keys + h * head_stride, values + h * head_stride,
-                            first, last, scale, scores + (int64_t)h * group * length, length, peak, sum, o);
-                for (int i = 0; i < group; i++) {
-                    float *slot = mine + i * (dim + 2);
-                    slot[0] = peak[i], slot[1] = sum[i];
-                    memcpy(slot + 2, o + i * dim, (size_t)dim * sizeof(float));
-                }
+    for (int p = 0; p < parts; p++) {
+        const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
+        for (int h = 0; h < kv_heads; h++) {
+            float *mine = partial + ((int64_t)p * heads + h * group) * (dim + 2);
+            float peak[MAX_GROUP], sum[MAX_GROUP], o[MAX_GROUP * MAX_DIM];
+            attend_part(query + (int64_t)h * group * dim, group, dim, keys + h * head_stride, values + h * head_stride,
+                        first, last, scale, scores + (int64_t)h * group * length, length, peak, sum, o);
+            for (int i = 0; i < group; i++) {
+                float *slot = mine + i * (dim + 2);
+                slot[0] = peak[i], slot[1] = sum[i];
+                memcpy(slot + 2, o + i * dim, (size_t)dim * sizeof(float));
             }
-        }
-#pragma omp for schedule(static)
-        for (int head = 0; head < heads; head++) {
-            float peak = -INFINITY, total = 0.0f, factor[MAX_PARTS];
-            for (int p = 0; p < parts; p++) {
-                const float mine = partial[((int64_t)p * heads + head) * (dim + 2)];
-                peak = mine > peak ? mine : peak;
-            }
-            for (int p = 0; p < parts; p++) {
-                const float *slot = partial + ((int64_t)p * heads + head) * (dim + 2);
-                factor[p] = expf(slot[0] - peak);
-                total += slot[1] * factor[p];
-            }
-            for (int d = 0; d < dim; d++) {
-                float value = 0.0f;
-                for (int p = 0; p < parts; p++) value += partial[((int64_t)p * heads + head) * (dim + 2) + 2 + d] * factor[p];
-                out[(int64_t)head * dim + d] = value / total;
-            }
-            for (int p = 0; p < parts; p++) {  /* the part's weights, normalized: the mass below sums them */
-                const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
-                const float scaleby = factor[p] / total;
-                for (int j = first; j < last; j++) scores[(int64_t)head * length + j] *= scaleby;
-            }
-        }
-        if (mass) {
-#pragma omp for schedule(static)
-            for (int h = 0; h < kv_heads; h++)
-                for (int j = 0; j < length; j++) {
-                    float total = 0.0f;
-                    for (int i = 0; i < group; i++) total += scores[((int64_t)h * group + i) * length + j];
-                    mass[(int64_t)h * length + j] = total;
-                }
         }
     }
-    free(scores);
-    free(partial);
+#pragma omp for schedule(static)
+    for (int head = 0; head < heads; head++) {
+        float peak = -INFINITY, total = 0.0f, factor[MAX_PARTS];
+        for (int p = 0; p < parts; p++) {
+            const float mine = partial[((int64_t)p * heads + head) * (dim + 2)];
+            peak = mine > peak ? mine : peak;
+        }
+        for (int p = 0; p < parts; p++) {
+            const float *slot = partial + ((int64_t)p * heads + head) * (dim + 2);
+            factor[p] = expf(slot[0] - peak);
+            total += slot[1] * factor[p];
+        }
+        for (int d = 0; d < dim; d++) {
+            float value = 0.0f;
+            for (int p = 0; p < parts; p++) value += partial[((int64_t)p * heads + head) * (dim + 2) + 2 + d] * factor[p];
+            out[(int64_t)head * dim + d] = value / total;
+        }
+        for (int p = 0; p < parts; p++) {  /* the part's weights, normalized: the mass below sums them */
+            const int first = (int)((int64_t)length * p / parts), last = (int)((int64_t)length * (p + 1) / parts);
+            const float scaleby = factor[p] / total;
+            for (int j = first; j < last; j++) scores[(int64_t)head * length + j] *= scaleby;
+        }
+    }
+    if (mass && accumulate) {
+#pragma omp for schedule(static)
+        for (int j = 0; j < length; j++) {
+            float total = 0.0f;
+            for (int head = 0; head < heads; head++) total += scores[(int64_t)head * length + j];
+            mass[j] += total;
+        }
+    } else if (mass) {
+#pragma omp for schedule(static)
+        for (int h = 0; h < kv_heads; h++)
+            for (int j = 0; j < length; j++) {
+                float total = 0.0f;
+                for (int i = 0; i < group; i++) total += scores[((int64_t)h * group + i) * length + j];
+                mass[(int64_t)h * length + j] = total;
+            }
+    }
+}
+
+/* attend_team in a region of its own, mass per KV head. Returns 0, or -1 when the scratch cannot be
+ * allocated or the group or head dimension exceed MAX_GROUP / MAX_DIM (out is then untouched). */
+int attend_one(const float *query, int heads, int kv_heads, int dim, const float *keys, const float *values,
+               int64_t head_stride, int length, float scale, float *out, float *mass, int threads) {
+    attend_scratch s;
+    if (!attend_scratch_alloc(&s, heads, kv_heads, dim, length, threads)) return -1;
+#pragma omp parallel num_threads(s.parts)
+    attend_team(query, heads, kv_heads, dim, keys, values, head_stride, length, scale, out, mass, 0, &s);
+    attend_scratch_free(&s);
     return 0;
 }
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c", "attention_kernels.c")),
            Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
-HEADERS = (Path(__file__).with_name("kernel_math.h"),)  # included by the sources: part of the build's key
+HEADERS = (Path(__file__).with_name("kernel_math.h"), Path(__file__).with_name("attention_kernels.h"))  # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
@@ -48,7 +48,8 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
               "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i],
               "prepare_rows": [_p, _i, _i, _i, _p, _f, _p, _i],
-              "rotate_rows": [_p, _i, _i, _i, _i, _p, _p, _i]}
+              "rotate_rows": [_p, _i, _i, _i, _i, _p, _p, _i],
+              "q4_decode_layer": [_p, _p, _p, _p, _p, _p, _i64, _i, _f, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -104,7 +105,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
-    lib.q4_matmul.restype = lib.q4_mlp.restype = lib.attend_one.restype = ctypes.c_int
+    lib.q4_matmul.restype = lib.q4_mlp.restype = lib.attend_one.restype = lib.q4_decode_layer.restype = ctypes.c_int
     for probe in (lib.q8_fast, lib.q4_fast, lib.attend_fast):
         probe.argtypes, probe.restype = [], ctypes.c_int
     return lib
@@ -237,6 +238,43 @@ def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, 
     return out
 
 
+class Q4Layer(ctypes.Structure):
+    """A decoder layer's int4 weights and norms for `q4_decode_layer` (weight_kernels.c's q4_layer). It keeps
+    the tensors it points into alive."""
+
+    _fields_ = [*((name, _p) for name in ("qkv_codes", "o_codes", "gate_up_codes", "down_codes", "qkv_scales",
+                                          "o_scales", "gate_up_scales", "down_scales", "norm_in", "norm_post")),
+                ("eps_in", _f), ("eps_post", _f), *((name, _i) for name in ("d", "ff", "heads", "kv_heads", "head_dim"))]
+
+    @classmethod
+    def of(cls, qkv: tuple[torch.Tensor, torch.Tensor], o: tuple[torch.Tensor, torch.Tensor],
+           gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+           norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]], heads: int, kv_heads: int,
+           head_dim: int) -> "Q4Layer":
+        """Each weight (codes, scales) in q4_matmul's layout; norms (input, post-attention) as (float32 weight, eps)."""
+        tensors = (qkv, o, gate_up, down)
+        (norm_in, eps_in), (norm_post, eps_post) = norms
+        layer = cls(*(codes.data_ptr() for codes, _ in tensors), *(scales.data_ptr() for _, scales in tensors),
+                    norm_in.data_ptr(), norm_post.data_ptr(), eps_in, eps_post, o[0].shape[0] * 16,
+                    gate_up[0].shape[0] * 8, heads, kv_heads, head_dim)
+        layer.held = (tensors, norms)
+        return layer
+
+
+def q4_decode_layer(layer: Q4Layer, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, length: int, scale: float, mass: torch.Tensor | None) -> torch.Tensor:
+    """One decode token through a decoder layer in one call: stream [1, d] float32 -> the new stream; the token's
+    key and value are written at row `length` of keys and values ([1, kv_heads, capacity, head_dim] float32
+    buffers, capacity > length) and attention reads rows 0..length; cos and sin [1, head_dim] of its position;
+    mass (float32 [length + 1] or None) gains the attention each key receives, summed over heads."""
+    out = torch.empty_like(stream)
+    if library().q4_decode_layer(ctypes.byref(layer), stream.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                                 values.data_ptr(), keys.stride(1), length, scale, _ptr(mass), out.data_ptr(),
+                                 torch.get_num_threads()):
+        raise MemoryError(f"q4_decode_layer: no memory for attention over {length + 1} tokens")
+    return out
+
+
 def prepare_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [rows, k] float32 RMS-normalized by `norm` (weight [k] float32, eps), or with `swiglu` x [rows, 2k]
     -> silu(gate) * up [rows, k]: a float decoder layer's glue in one call (q4_matmul folds the same in)."""
@@ -263,6 +301,7 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 ATTEND_DIM = 64  # the head size attend_one has dense vector code for (other sizes run its scalar loops)
+ATTEND_GROUP = 16  # the most query heads a KV head may serve (attention_kernels.h's MAX_GROUP)
 
 
 def attend_fast() -> bool:

@@ -97,6 +97,14 @@ class ContiguousStorage:
         self.values[:, :, start : start + count] = values
         self.length = start + count
 
+    def claim(self, count: int) -> int:
+        """Room for `count` more tokens, counted as held from now: the first row of theirs, for a writer that
+        fills the buffers in place (the native decode step writes the new key and value, then attends)."""
+        start = self.length
+        self._reserve(start + count, self.keys)
+        self.length = start + count
+        return start
+
     def update_and_fetch(self, keys, values):
         self.append(keys, values)
         compute = keys.dtype

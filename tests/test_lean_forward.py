@@ -131,3 +131,40 @@ def test_int8_kernel_equals_the_float_matmul(rows):
     want = x @ (codes.float().reshape(200, 3, 32) * scales[..., None]).reshape(200, 96).T
     got = native.q8_matmul(x, codes, scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_decode_token_is_one_native_call_a_layer_with_the_same_tokens_kv_and_importance(embedded, monkeypatch):
+    """int4 weights in the native layout, a store of float32 buffers that records importance and evicts (h2o
+    under a budget smaller than the prompt): each decode token goes through each layer in one call (`native.q4_decode_layer`), and
+    gives the layer-by-layer path's tokens, logits (to the int4 tolerance), keys, values and importance."""
+    from agent.model import quantize_linear_int4
+
+    model = quantize_linear_int4(embedded.model, dot=True)
+    monkeypatch.setenv("PALACE_LEAN", "1")
+    lean = lean_forward(model)
+    assert lean.stepping
+    calls, kernel = [], native.q4_decode_layer
+    monkeypatch.setattr(native, "q4_decode_layer", lambda *args: calls.append(args[6]) or kernel(*args))
+    ids = embedded.tokenizer("Could you move my delivery to Thursday? I will be away until then, and my neighbour at "
+                             "number 12 cannot take parcels in for me any more, thanks",
+                             add_special_tokens=False)["input_ids"]
+    results = []
+    for stepping in (False, True):
+        lean.stepping = stepping
+        store = store_for(model, "h2o", budget=16, slack=1)
+        prefill(model, store, ids, 0, "user", 0)
+        tokens, logits = [], []
+        for token in decode(model, store, [], SamplingConfig(max_new_tokens=10), 0, 0):
+            tokens.append(token)
+            logits.append(store.next_logits.clone())
+        results.append((tokens, logits, [layer.storage.fetch() for layer in store.layers], store.meta.importance.clone()))
+    layers = len(model.model.layers)  # every decode token (and a one-token prefill chunk) in one call a layer:
+    assert len(calls) >= 10 * layers and len(calls) % layers == 0 and max(calls) < 16  # the new row within the budget
+    (want_tokens, want_logits, want_kv, want_importance), (tokens, logits, kv, importance) = results
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, **INT4_TOLERANCE[True])
+    for (keys, values), (want_keys, want_values) in zip(kv, want_kv, strict=True):
+        torch.testing.assert_close(keys, want_keys, rtol=0, atol=5e-2)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=5e-2)
+    torch.testing.assert_close(importance, want_importance, rtol=1e-3, atol=1e-3)
