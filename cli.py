@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 ModelOpt = typer.Option("embedded", "--model", help="'embedded' (SmolLM2-135M) or a local Hugging Face model directory.")
 DeviceOpt = typer.Option("auto", "--device", help="cpu, cuda or auto.")
 DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
-WeightsOpt = typer.Option("float", "--weights", help="float, int4 (group-wise 4-bit weights, lossless for the embedded Q4_1 model; CPU) or int8 (per-channel int8 weights, CPU).")
+WeightsOpt = typer.Option("auto", "--weights", help="auto (int4 for the embedded model in float32 on a CPU with the native int4 kernel, else float), float, int4 (group-wise 4-bit weights, lossless for the embedded Q4_1 model; CPU) or int8 (per-channel int8 weights, CPU).")
 
 
 class UserError(Exception):

@@ -56,7 +56,7 @@ class AgentConfig:
     model: str = EMBEDDED
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "float"  # or "int8" / "int4" (CPU)
+    weights: str = "float"  # or "int8" / "int4" (CPU), or "auto" (palace chat's: agent.model.resolve_weights)
     policy: str = "hybrid"
     budget_tokens: int | None = 1024
     sink_tokens: int = 4

@@ -66,3 +66,19 @@ def test_weights_mode_errors():
         prepare(tiny_llama(), torch.device("cpu"), weights="int3")
     with pytest.raises(ModelError, match="float32"):
         prepare(tiny_llama().to(torch.bfloat16), torch.device("cpu"), weights="int4")
+
+
+def test_auto_weights_are_int4_only_where_that_is_exact_and_fast(tiny_dir):
+    """`palace chat`'s default: the embedded model's Q4_1 weights in int4 on a CPU in float32 where the native
+    kernel runs on integer dot products; float for any other model, dtype or device."""
+    from agent.model import EMBEDDED, resolve_weights
+    from cache import native
+
+    cpu = torch.device("cpu")
+    assert resolve_weights("auto", EMBEDDED, cpu, torch.float32) == ("int4" if native.q4_fast() else "float")
+    assert resolve_weights("auto", EMBEDDED, cpu, torch.bfloat16) == "float"
+    assert resolve_weights("auto", EMBEDDED, torch.device("cuda"), torch.float32) == "float"
+    assert resolve_weights("auto", str(tiny_dir), cpu, torch.float32) == "float"
+    assert resolve_weights("int8", EMBEDDED, cpu, torch.float32) == "int8"
+    loaded = load_model("embedded", device="cpu", weights="auto")
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, Int4Linear) == native.q4_fast()
