@@ -49,7 +49,8 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i],
               "prepare_rows": [_p, _i, _i, _i, _p, _f, _p, _i],
               "rotate_rows": [_p, _i, _i, _i, _i, _p, _p, _i],
-              "q4_decode_layer": [_p, _p, _p, _p, _p, _p, _i64, _i, _f, _p, _p, _i]}
+              "q4_decode_layer": [_p, _p, _p, _p, _p, _p, _i64, _i, _f, _p, _p, _i],
+              "q4_dense": [_p, _p, _i, _i, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -235,6 +236,13 @@ def q4_mlp(attended: torch.Tensor, stream: torch.Tensor, o: tuple[torch.Tensor, 
                         norm[0].data_ptr(), norm[1], gate_up[0].data_ptr(), gate_up[1].data_ptr(), down[0].data_ptr(),
                         down[1].data_ptr(), out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"q4_mlp: no memory for {rows} rows of quantized activations")
+    return out
+
+
+def q4_dense(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [n, k] of int4 codes in q4_matmul's layout (codes uint8 [n / 16, k * 8])."""
+    out = torch.empty(codes.shape[0] * 16, codes.shape[1] // 8, dtype=torch.float32)
+    library().q4_dense(codes.data_ptr(), scales.data_ptr(), out.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -63,6 +63,7 @@ def test_the_embedded_weights_come_back_exactly(embedded):
     with torch.inference_mode():
         recovered = layer(torch.eye(linear.in_features)).t()
     assert torch.equal(recovered, linear.weight.detach())
+    assert torch.equal(native.q4_dense(layer.packed, layer.scales_zeros), linear.weight.detach())  # prefill's unpacking
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from agent.engine import SamplingConfig, decode, forward_forks, prefill
-from agent.lean import lean_forward
+from agent.lean import DENSE_ROWS, lean_forward
 from agent.qlinear import Q8Head
 from cache import native
 from tests.helpers import store_for
@@ -87,8 +87,11 @@ def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, 
     assert model.model.layers[0].mlp.down_proj.dot == dot
     monkeypatch.setenv("PALACE_LEAN", "1")
     assert {layer.kind for layer in lean_forward(model).layers} == {"dot" if dot else "modules"}
-    ids = embedded.tokenizer("My order KL-20931 never came, the tracking says delivered to a safe place",
+    ids = embedded.tokenizer("My order KL-20931 never came, the tracking says delivered to a safe place. I checked "
+                             "the porch, the bins and the shed, and asked both neighbours on the left and on the right of my house "
+                             "at number 29, but nobody has seen a parcel or a card from the driver all week long",
                              add_special_tokens=False)["input_ids"]
+    assert len(ids) // 2 >= DENSE_ROWS  # each prefill half multiplies through the unpacked float32 weights
     want_logits, want_tokens = run(model, monkeypatch, False, ids, 12)
     got_logits, got_tokens = run(model, monkeypatch, True, ids, 12)
     attention = model.model.layers[0].self_attn
