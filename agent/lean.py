@@ -129,17 +129,20 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     qkv, gate_up, o, down = Int4Linear.fuse(linears[:3]), Int4Linear.fuse(linears[4:6]), linears[3], linears[6]
     head_dim, rotated = attention.head_dim, qkv.sizes[0] + qkv.sizes[1]
 
+    def dense(stream: torch.Tensor) -> bool:
+        return stream.numel() >= DENSE_ROWS * stream.shape[-1]
+
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if stream.numel() >= DENSE_ROWS * stream.shape[-1]:
+        if dense(stream):
             return _float_before(stream, turn, native.q4_dense(qkv.packed, qkv.scales_zeros), norm_in, qkv.sizes, head_dim)
         out = native.q4_matmul(stream.reshape(-1, stream.shape[-1]), qkv.packed, qkv.scales_zeros, norm=norm_in,
                                rotary=(*turn.rows, rotated, head_dim))
         return _heads(out.view(*stream.shape[:-1], -1).split(qkv.sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-        if stream.numel() >= DENSE_ROWS * stream.shape[-1]:
-            dense = [native.q4_dense(w.packed, w.scales_zeros) for w in (o, gate_up, down)]
-            return _float_after(out, stream, dense[0].t(), norm_post, dense[1], dense[2].t())
+        if dense(stream):
+            o_w, gate_up_w, down_w = (native.q4_dense(w.packed, w.scales_zeros) for w in (o, gate_up, down))
+            return _float_after(out, stream, o_w.t(), norm_post, gate_up_w, down_w.t())
         return native.q4_mlp(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]), (o.packed, o.scales_zeros),
                              norm_post, (gate_up.packed, gate_up.scales_zeros), (down.packed, down.scales_zeros)).view_as(stream)
 
@@ -166,8 +169,8 @@ def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     qkv, gate_up = _concatenated(linears[:3]), _concatenated(linears[4:6])
     o_t, down_t = linears[3].weight.detach().t(), linears[6].weight.detach().t()  # transposed once, not per call
     sizes = [m.out_features for m in linears[:3]]
-    return _Layer("float", attention, functools.partial(_float_before, qkv=qkv, norm=norm_in, sizes=sizes, head_dim=attention.head_dim),
-                  functools.partial(_float_after, o_t=o_t, norm=norm_post, gate_up=gate_up, down_t=down_t))
+    before = functools.partial(_float_before, qkv=qkv, norm=norm_in, sizes=sizes, head_dim=attention.head_dim)
+    return _Layer("float", attention, before, functools.partial(_float_after, o_t=o_t, norm=norm_post, gate_up=gate_up, down_t=down_t))
 
 
 def _float_before(stream: torch.Tensor, turn: _Rotation, qkv: torch.Tensor, norm: tuple[torch.Tensor, float],
@@ -251,7 +254,6 @@ class LeanLlama:
             hidden = layer.after(out.reshape(*hidden.shape[:-1], -1), hidden)
         return self.head(_rms_norm(hidden[:, keep], *self.norm))[0]
 
-
     def _step(self, ids: torch.Tensor, positions: torch.Tensor, piece: Piece) -> torch.Tensor | None:
         """One decode token through every layer, each in one native call (`native.q4_decode_layer`: products,
         the new key and value written into the store's buffers, attention, MLP) instead of a dozen calls and
@@ -259,8 +261,9 @@ class LeanLlama:
         or None where the store holds its tokens otherwise (the layer-by-layer path then runs)."""
         store = piece.store
         storages = [layer.storage for layer in store.layers]
-        if piece.mask is not None or self.embed.dtype != torch.float32 or not all(type(s) is ContiguousStorage and s.keys is not None and s.keys.dtype == torch.float32
-                                             and s.keys.device.type == "cpu" for s in storages):
+        held_as_buffers = all(type(s) is ContiguousStorage and s.keys is not None and s.keys.dtype == torch.float32
+                              and s.keys.device.type == "cpu" for s in storages)
+        if piece.mask is not None or self.embed.dtype != torch.float32 or not held_as_buffers:
             return None
         hidden = torch.nn.functional.embedding(ids[0], self.embed)
         cos, sin = _Rotation(*self.rotary(hidden[None], position_ids=positions)).rows

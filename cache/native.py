@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c", "attention_kernels.c")),
            Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
-HEADERS = (Path(__file__).with_name("kernel_math.h"), Path(__file__).with_name("attention_kernels.h"))  # included by the sources: part of the build's key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "attention_kernels.h"))  # part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
 
@@ -198,8 +198,8 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 def q4_fast() -> bool:
-    """Whether the int4 kernel runs on integer dot products here (AVX-512 VNNI, or AVX2 without AVX-512); elsewhere its scalar
-    reference is exact but slow, so Int4Linear keeps torch's layout and kernel."""
+    """Whether the int4 kernel runs on integer dot products here (AVX-512 VNNI, or AVX2 without AVX-512);
+    elsewhere its scalar reference is exact but slow, so Int4Linear keeps torch's layout and kernel."""
     return library() is not None and bool(library().q4_fast())
 
 
