@@ -346,6 +346,18 @@ int q4_matmul(const float *x, int rows, int k, int swiglu, const float *norm, fl
     return 0;
 }
 
+/* A decoder layer's steps after attention, by every thread of a parallel region: mid = stream + attended @ o^T,
+ * gated = its RMS norm through gate and up, out = mid + SwiGLU(gated) @ down^T (mid [rows][d] and gated
+ * [rows][2 ff] are the caller's scratch). */
+static void q4_after_attention(const float *attended, const float *stream, int rows, int d, int ff,
+                               const uint8_t *o_codes, const uint16_t *o_scales, const float *norm, float eps,
+                               const uint8_t *gate_up_codes, const uint16_t *gate_up_scales, const uint8_t *down_codes,
+                               const uint16_t *down_scales, float *mid, float *gated, float *out, const q4_scratch *s) {
+    q4_product(attended, rows, d, 0, NULL, 0.0f, o_codes, o_scales, d, stream, mid, s);
+    q4_product(mid, rows, d, 0, norm, eps, gate_up_codes, gate_up_scales, 2 * ff, NULL, gated, s);
+    q4_product(gated, rows, ff, 1, NULL, 0.0f, down_codes, down_scales, d, mid, out, s);
+}
+
 /* A Llama decoder layer after attention, in one call: stream + attended @ o^T, then its RMS norm through the
  * gate and up projections (gate_up: 2 * ff outputs, gate first), SwiGLU, the down projection and the
  * residual add. attended and stream are [rows][d]; the new stream is written to out [rows][d]. */
@@ -356,11 +368,8 @@ int q4_mlp(const float *attended, const float *stream, int rows, int d, int ff, 
     float *mid = malloc((size_t)rows * d * sizeof(float)), *gated = malloc((size_t)rows * 2 * ff * sizeof(float));
     if (q4_scratch_alloc(&s, rows, d > ff ? d : ff) || !mid || !gated) { q4_scratch_free(&s); free(mid); free(gated); return -1; }
 #pragma omp parallel num_threads(threads)
-    {
-        q4_product(attended, rows, d, 0, NULL, 0.0f, o_codes, o_scales, d, stream, mid, &s);
-        q4_product(mid, rows, d, 0, norm, eps, gate_up_codes, gate_up_scales, 2 * ff, NULL, gated, &s);
-        q4_product(gated, rows, ff, 1, NULL, 0.0f, down_codes, down_scales, d, mid, out, &s);
-    }
+    q4_after_attention(attended, stream, rows, d, ff, o_codes, o_scales, norm, eps, gate_up_codes, gate_up_scales,
+                       down_codes, down_scales, mid, gated, out, &s);
     q4_scratch_free(&s);
     free(mid);
     free(gated);
@@ -441,9 +450,8 @@ int q4_decode_layer(const q4_layer *w, const float *stream, const float *cos, co
                 memcpy(values + h * head_stride + (int64_t)length * hd, qkv + q_size + kv_size + h * hd, (size_t)hd * sizeof(float));
             }
             attend_team(qkv, w->heads, w->kv_heads, hd, keys, values, head_stride, length + 1, scale, attended, mass, 1, &a);
-            q4_product(attended, 1, w->d, 0, NULL, 0.0f, w->o_codes, w->o_scales, w->d, stream, mid, &s);
-            q4_product(mid, 1, w->d, 0, w->norm_post, w->eps_post, w->gate_up_codes, w->gate_up_scales, 2 * w->ff, NULL, gated, &s);
-            q4_product(gated, 1, w->ff, 1, NULL, 0.0f, w->down_codes, w->down_scales, w->d, mid, out, &s);
+            q4_after_attention(attended, stream, 1, w->d, w->ff, w->o_codes, w->o_scales, w->norm_post, w->eps_post,
+                               w->gate_up_codes, w->gate_up_scales, w->down_codes, w->down_scales, mid, gated, out, &s);
         }
         attend_scratch_free(&a);
     }
