@@ -32,7 +32,7 @@ from cache.storage import StorageConfig
 from cache.store import KVStore
 from memory.graph import EntityGraph, Resolution
 from memory.profile import ProfileConfig, render
-from memory.recall import LongTermMemory, MemoryConfig, Recalled
+from memory.recall import LongTermMemory, MemoryConfig, Recalled, names_in
 from memory.summaries import RunningSummary
 
 NOTES_TURN = -2  # the turn the notes' tokens carry: below 0, so the permanent tier holds them
@@ -303,15 +303,13 @@ class Agent:
         of, or resembles (memory/recall.py), within the memory's share of the budget."""
         if self.memory is None:
             return
-        from classifiers.topics import analyse
-
         returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn
         referents = {r.antecedent: r.entity for r in turn.resolutions} if self.memory.config.referents else {}
         summarised = {}
         if self.summary is not None:  # the keyframe most like the turn brings back its block's turns
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
                 summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
-        turn.recalled = self.memory.recall(turn.index, turn.embedding, sorted(analyse(turn.text).entities), returns_to,
+        turn.recalled = self.memory.recall(turn.index, turn.embedding, names_in(turn.text), returns_to,
                                            referents, summarised)
 
     @one_thread

@@ -27,7 +27,7 @@ class TokenMeta:
     importance: torch.Tensor  # float: accumulated attention mass received
     surprisal: torch.Tensor  # float: -log p(token | what preceded it), its information content when fed
     serial: torch.Tensor  # long: index in the whole conversation stream; never reused, kept through compaction
-    recalled_at: torch.Tensor  # long: turn at which the token was re-injected from the archive, NOT_RECALLED if fed
+    recalled_at: torch.Tensor  # long: turn at which recall last brought the token's turn back (re-injected, or held), NOT_RECALLED if never
 
     @classmethod
     def empty(cls) -> "TokenMeta":

@@ -245,6 +245,14 @@ class KVStore(Cache):
             self._rewrite(start, order=order, span=span)
         self.next_logits = None
 
+    def touch(self, turns: list[int], turn: int) -> int:
+        """Mark the live tokens of these dialogue turns as recalled at `turn`: a turn that recall brings
+        back is used now as a whole, so the room made for its missing tokens is not taken from the part
+        the cache still holds. Returns how many tokens were touched."""
+        rows = torch.isin(self.meta.turn, torch.tensor(turns, dtype=self.meta.turn.dtype)) & (self.meta.turn >= 0)
+        self.meta.recalled_at[rows] = turn
+        return int(rows.sum())
+
     def mark_recalled(self, original: TokenMeta, turn: int) -> None:
         """The last len(original) tokens re-encode these archived tokens (recalled as text, not KV): they
         take back their serials, turns and segments and are marked recalled at `turn`, so they are

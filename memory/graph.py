@@ -396,7 +396,8 @@ class EntityGraph:
             here = self._named_here(text, names, match.start(), want)
             if here is False:
                 continue  # "And Poppy, does she ...": she is the Poppy just named, none of the earlier turns' people
-            found = here or self._named_after(text, end, want) or _chained(out, want) or self._best(turn, want, earlier)
+            found = (here or self._named_after(text, end, want) or _chained(out, want) or self._best(turn, want, earlier)
+                     or self._said_before(turn, want))
             if found:
                 entity, used = found
                 if used < len(want[1]):  # "the engineer call first": the phrase that matched is "the engineer"
@@ -427,6 +428,25 @@ class EntityGraph:
         key = name and _key(name.group(1))
         entity = key and (self.entities.get(key) or self._same_person(key, "name"))
         return (entity, 1) if entity else None
+
+    def _said_before(self, turn: int, want: Want) -> tuple[Entity, int] | None:
+        """A phrase no entity goes by whose head noun an earlier turn said ("the café" after "opposite the
+        café" in a phrase the extractor missed, "the cheque" after "a cheque"): the thing named by the
+        phrase's words that turn said, first mentioned there."""
+        if want[0] not in ("phrase", "given") or not want[1]:
+            return None
+        words = [w for w in want[1] if w not in STOPWORDS]
+        head = words[-1] if words else ""
+        for earlier in range(turn - 1, -1, -1):
+            said = self.graph.nodes[f"turn:{earlier}"].get("text", "") if f"turn:{earlier}" in self.graph else ""
+            if len(head) > 2 and any(f" {form} " in said for form in _forms(head)):
+                name = " ".join(w for w in words if any(f" {form} " in said for form in _forms(w)))
+                entity = self._entity(name, "thing", head, None)
+                if not entity.mentions:
+                    entity.mentions.append((earlier, 1.0))
+                    self.graph.add_edge(f"turn:{earlier}", f"entity:{entity.key}", kind="mentions", turn=earlier)
+                return entity, len(want[1])
+        return None
 
     def _antecedent(self, entity: Entity, turn: int) -> int:
         """The latest earlier turn whose text names the entity (a pronoun or "the X" does not name it): what
@@ -777,6 +797,11 @@ def _related(candidates: list[Entity], noun: str) -> list[tuple[int, Entity]]:
     related = [e for e in candidates if (e.relation == noun or noun in e.aliases) and e.kind != "thing"]
     named = [(2, e) for e in related if e.key != noun and not e.key.endswith(noun)]
     return named or [(1, e) for e in related or [e for e in candidates if e.head == noun]]
+
+
+def _forms(word: str) -> tuple[str, ...]:
+    """A noun as a turn's words may hold it: itself, its singular or its plural ("stools", "stool")."""
+    return (word, word[:-1]) if word.endswith("s") and len(word) > 3 else (word, f"{word}s")
 
 
 def _stem(word: str) -> str:

@@ -8,14 +8,17 @@ prefilled, archived history the turn needs is found and its KV spliced back into
   or of its own words (`unit="span"`). The hybrid evicts piecemeal, so a stretch is often a few words
   without their subject; the message says what they were about.
 - Recall. The unit of recall is a dialogue turn: every archived stretch of it that the cache no longer
-  holds comes back together, so a fact returns with its frame. Turns are chosen, within `share` of the
-  budget, first those that name an entity the user's turn names (a name, a number, an address), then
-  those of the topic the classifier says the user returns to and those similar to the user's turn (FAISS,
-  cosine at least `threshold`); within each group, the more similar to the user's turn first.
+  holds comes back together, so a fact returns with its frame, and what the cache still holds of it is
+  marked used now, so the room made for the rest is not taken from it. Turns are chosen, within `share`
+  of the budget (the tokens re-injected count), first those that name an entity the user's turn names (a name, a
+  number, an address: whole words), then those of the topic the classifier says the user returns to
+  and those similar to the user's turn (FAISS, cosine at least `threshold`); within each group, the
+  more similar to the user's turn first.
 - Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -23,15 +26,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cache.meta import NOT_RECALLED, TokenMeta
+from cache.meta import TokenMeta
 from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
+from classifiers.topics import analyse
 from memory.archive import Archive, ArchiveConfig
 from memory.embedder import Embedder
 from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
 REASONS = ("referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
+CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june
+july august september october november december""".split())
+_SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, then a capitalised first word
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,17 @@ class MemoryConfig:
             raise ValueError(f"unknown reinject {self.reinject!r}: use kv or text")
         if self.unit not in UNITS:
             raise ValueError(f"unknown memory unit {self.unit!r}: use one of {', '.join(UNITS)}")
+
+
+def names_in(text: str) -> list[str]:
+    """What a user's turn names, to find the archived turns that name it too: capitalised words, numbers,
+    codes and emails, without a possessive's "'s" ("Tom's" names Tom), without weekday and month names
+    (the same word names another date each week) and without the first word after a speaker's label
+    ("Helen: Remind me ..." names no Remind)."""
+    label = _SPEAKER.match(text)
+    dropped = {label.group(1).lower()} if label else set()
+    names = {e.removesuffix("'s") for e in analyse(text).entities}
+    return sorted(e for e in names if e not in CALENDAR and e not in dropped)
 
 
 @dataclass
@@ -90,16 +108,26 @@ class LongTermMemory:
         self.messages: dict[tuple[int, str], str] = {}
         self.vectors: dict[tuple[int, str], np.ndarray] = {}
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # segment id -> its turn and serials, read without I/O
+        self.archived = torch.zeros(0, dtype=torch.bool)  # by serial: whether a token is archived already
         self.last: list[Recalled] = []  # what the latest recall brought back
         self.steps: dict[str, float] = {}  # the latest turn's memory work in ms, by step (see STEPS)
         store.on_evict, store.evict_filter = self.evicted, self.archivable
 
     # --- archiving ------------------------------------------------------------------------------
-    @staticmethod
-    def archivable(meta: TokenMeta) -> torch.Tensor:
+    def archivable(self, meta: TokenMeta) -> torch.Tensor:
         """The store's eviction filter: what is new to the archive (not the system prompt or the notes,
-        not tokens recalled from it)."""
-        return (meta.recalled_at == NOT_RECALLED) & (meta.turn >= 0)
+        not tokens the archive holds already, such as those recalled from it)."""
+        serial = meta.serial.to("cpu")
+        known = serial < len(self.archived)
+        known[known.clone()] = self.archived[serial[known]]
+        return ~known.to(meta.turn.device) & (meta.turn >= 0)
+
+    def _mark_archived(self, serials: torch.Tensor) -> None:
+        if serials.numel() and int(serials.max()) >= len(self.archived):
+            grown = torch.zeros(max(int(serials.max()) + 1, 2 * len(self.archived)), dtype=torch.bool)
+            grown[: len(self.archived)] = self.archived
+            self.archived = grown
+        self.archived[serials] = True
 
     def evicted(self, span: KVSpan) -> None:
         """The store's eviction sink (after `archivable`): buffer it for `settle`."""
@@ -125,6 +153,7 @@ class LongTermMemory:
             segment_id = self.archive.add(
                 Segment.from_span(span.to("cpu"), self.config.user_id, self.config.session_id, text), vector)
             self.kept[segment_id] = int(span.meta.turn[0]), span.serials.clone()
+            self._mark_archived(self.kept[segment_id][1].cpu())
         if len(self.kept) > 2 * len(self.archive) + 64:  # the disk cap forgot segments: so do we (amortised)
             self.kept = {segment_id: kept for segment_id, kept in self.kept.items() if segment_id in self.archive}
         self.charge("archive", started)
@@ -161,9 +190,11 @@ class LongTermMemory:
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
                referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
-        splice their missing KV into the store, within `share` of the budget. `query`: the turn's
-        embedding; `entities`: what it names; `topic`: the topic segment it returns to, if any;
-        `referents`: turns where what its references resolve to was last named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
+        splice their missing KV into the store, within `share` of the budget (the missing tokens count);
+        a turn comes back whole, so what the cache still holds of it is marked used now too
+        (`KVStore.touch`). `query`: the turn's embedding; `entities`: what it names; `topic`: the topic
+        segment it returns to, if any; `referents`: turns where what its references resolve to was last
+        named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -182,6 +213,7 @@ class LongTermMemory:
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
             chosen.sort(key=lambda s: int(s.serials.min()))
+            self.store.touch([r.turn for r in self.last], turn)
             self.charge("search", started)
             started = time.perf_counter()
             if chosen and self.config.reinject == "kv":
@@ -196,7 +228,7 @@ class LongTermMemory:
     def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None, referents: dict[int, str],
                     summarised: dict[int, str]) -> list[tuple[int, str, str]]:
         """Archived turns worth recalling, each once, as (turn, reason, detail): those naming one of the
-        turn's entities first (an exact match), then the turns its references resolve to (rules, less
+        turn's entities first (a whole-word match), then the turns its references resolve to (rules, less
         sure), then those of the topic it returns to, similar to it or in a keyframe like it; each group
         by similarity to the turn."""
         scope = self.config.user_id, self.config.session_id
@@ -211,8 +243,10 @@ class LongTermMemory:
         named: dict[int, tuple[str, str]] = {}
         if self.config.entities:
             for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
+                whole = re.compile(rf"(?<!\w){re.escape(entity)}(?!\w)", re.I)
                 for record in self.archive.segments_for(*scope, contains=entity):
-                    named.setdefault(record.turn, ("entity", entity))
+                    if whole.search(record.text):  # "mot" is no part of "mother"
+                        named.setdefault(record.turn, ("entity", entity))
         related: dict[int, tuple[str, str]] = {}
         if self.config.topics and topic is not None:
             for record in self.archive.segments_for(*scope, topic=topic):
@@ -266,6 +300,9 @@ class LongTermMemory:
         self.archive.close()
         self.archive = archive
         self.kept = archive.token_serials()
+        self.archived = torch.zeros(0, dtype=torch.bool)
+        for _, serials in self.kept.values():
+            self._mark_archived(serials.cpu())
 
     def load_state(self, state: dict, archive: Archive) -> None:
         """Continue a saved conversation over its reopened archive."""

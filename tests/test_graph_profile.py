@@ -145,6 +145,13 @@ def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
     assert len(resolved) == 2
 
 
+def test_a_phrase_no_entity_goes_by_is_the_thing_an_earlier_turn_said_without_a_determiner():
+    graph = rules_graph((0, "I paid by cheque on Monday.", "Thanks, noted."),
+                        (1, "Also my email changed.", "Updated."))
+    assert resolved_in(graph, 2, "Has the cheque cleared yet?")["the cheque"] == ("cheque", 0)
+    assert "the parrot" not in resolved_in(graph, 3, "Is the parrot included?")  # nothing said it: no guess
+
+
 def test_the_man_is_the_person_last_named_and_the_graph_round_trips():
     graph = rules_graph((0, "When is the visit?", "Your engineer will be Rafael Ortiz, on Tuesday 4 March."))
     assert resolved_in(graph, 1, "Will the engineer call first?")["the engineer"] == ("Rafael Ortiz", 0)

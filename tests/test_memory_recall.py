@@ -11,7 +11,7 @@ from agent import Agent, AgentConfig
 from agent.engine import prefill
 from cache.meta import NOT_RECALLED
 from memory.embedder import shared_embedder
-from memory.recall import LongTermMemory, MemoryConfig
+from memory.recall import LongTermMemory, MemoryConfig, names_in
 from tests.helpers import ask, store_for, teacher_force
 
 
@@ -19,9 +19,9 @@ def spoken(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def tiny_conversation(tiny, budget: int, config: MemoryConfig = MemoryConfig()):
-    """A window store with memory over the tiny model; turn t's message is `texts[t]`."""
-    store = store_for(tiny, "window", budget)
+def tiny_conversation(tiny, budget: int, config: MemoryConfig = MemoryConfig(), policy: str = "window"):
+    """A store (window by default) with memory over the tiny model; turn t's message is `texts[t]`."""
+    store = store_for(tiny, policy, budget)
     memory = LongTermMemory(store, shared_embedder(), spoken, config)
     prefill(tiny, store, [1, 2, 3, 4], -1, "system", -1)
     return store, memory
@@ -71,6 +71,37 @@ def test_recall_stays_within_its_share_and_skips_what_the_cache_holds(tiny):
     assert recalled_rows.tolist() == list(range(store.length - recalled_rows.numel(), store.length))
     again = memory.recall(7, shared_embedder().embed("winter tyres and parking")[0], [], None)
     assert {r.turn for r in again}.isdisjoint({r.turn for r in recalled})  # held now: nothing to bring back
+    memory.close()
+
+
+def test_a_recalled_turn_comes_back_whole_and_what_the_cache_held_of_it_stays(tiny):
+    """A turn's evicted tokens come back and the ones the cache still held are marked used at the same
+    turn, so the hybrid's room for the first is not made by evicting the second (its hot tier keeps turns
+    by last use); evicted again later, those held tokens are archived, being new to the archive."""
+    question = "Is Biscuit's vet appointment still on?"
+    store, memory = tiny_conversation(tiny, budget=46, config=MemoryConfig(threshold=2.0), policy="hybrid")
+    for turn, text in enumerate(TEXTS):
+        say(tiny, store, memory, turn, text)
+    held = int((store.meta.turn == 0).sum())
+    assert 0 < held < 12  # the hybrid kept a few of turn 0's tokens: the rest is archived
+    recalled = memory.recall(6, shared_embedder().embed(question)[0], names_in(question), None)
+    assert [(r.turn, r.reason, r.tokens) for r in recalled] == [(0, "entity", 12 - held)]
+    back = store.meta.turn == 0
+    assert int(back.sum()) == 12 and bool((store.meta.recalled_at[back] == 6).all()) and store.length <= 46
+    store.policy.make_room(store, 46)  # all of it evicted: only the tokens that were held are new to the archive
+    memory.settle()
+    assert sum(len(memory.kept[r.id][1]) for r in memory.archive.segments_for("local", "default", turns=range(0, 1))) == 12
+    memory.close()
+
+
+def test_an_entity_is_matched_as_a_whole_word_without_possessives_weekdays_or_labels(tiny):
+    assert names_in("Helen: Remind me what Tom's MOT on Friday costs, ref AB-123?") == ["ab-123", "mot", "tom"]
+    store, memory = tiny_conversation(tiny, budget=28, config=MemoryConfig(share=1.0, threshold=2.0))
+    for turn, text in enumerate(["My mother rang about the van.", "The MOT for the van is in May.", *FILLER[:3]]):
+        say(tiny, store, memory, turn, text)
+    question = "When is the MOT?"
+    recalled = memory.recall(5, shared_embedder().embed(question)[0], names_in(question), None)
+    assert [(r.turn, r.reason, r.detail) for r in recalled] == [(1, "entity", "mot")]  # not "mot" in "mother"
     memory.close()
 
 

@@ -16,6 +16,7 @@ from agent.engine import forward_forks, prefill
 from cache.meta import TokenMeta
 from cache.policies import HybridConfig
 from cache.span import KVSpan
+from memory.embedder import shared_embedder
 from memory.recall import LongTermMemory
 from cache.storage import StorageConfig
 from cache.store import KVStore
@@ -225,15 +226,18 @@ def test_injection_is_refused_when_it_cannot_be_right(tiny):
 
 
 def test_evict_filter_hands_over_only_the_rows_it_picks(tiny):
-    """The long-term memory's filter: the system prompt and tokens recalled from the archive are evicted
-    like any others but never copied out for it."""
+    """The long-term memory's filter: the system prompt and tokens the archive holds already (recalled
+    from it) are evicted like any others but never copied out for it; tokens recall only marked as used
+    (`touch`) were never archived, and are."""
     store = store_for(tiny)
     converse(tiny, store, [4, 10, 12])  # turns -1, 0, 1 at 0..3, 4..13, 14..25
-    store.meta.recalled_at[20:22] = 0  # as if recalled at turn 0
-    store.evict_filter = LongTermMemory.archivable
+    memory = LongTermMemory(store, shared_embedder(), decode=str)
+    memory._mark_archived(torch.tensor([20, 21]))  # as if recalled from the archive
+    assert store.touch([1], 2) == 12 and bool((store.meta.recalled_at[14:26] == 2).all())
     [span] = evict(store, torch.cat((torch.arange(0, 3), torch.arange(18, 24))))
     assert span.serials.tolist() == [18, 19, 22, 23] and store.length == 17
     assert evict(store, torch.arange(0, 1)) == []  # the last system token: nothing to hand over
+    memory.close()
 
 @pytest.mark.parametrize("storage", [StorageConfig("float32", paged=True), StorageConfig("int8", residual=8, group=8)],
                          ids=["paged", "int8"])
