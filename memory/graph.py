@@ -218,6 +218,8 @@ class EntityGraph:
             named = span.attribute in ("name", "related name")
             kind = {"identity": "person" if named else "name" if span.attribute == "proper name" else "code"}.get(
                 span.type, span.type)
+            if kind in ("person", "name") and _key(span.text).removesuffix("s") in _CALENDAR:  # "Mondays, my wife": no one
+                kind = "date"
             relation = _relation_of(text, span.start, span.end, said) if kind in ("person", "name") else None
             if relation is None and role == "user" and span.attribute == "name" and not _THEIR_NAME.search(
                     text[:span.start]):
@@ -793,10 +795,17 @@ def _matches(entity: Entity, known: set[str], stems: list[str], head_needed: boo
 
 
 def _related(candidates: list[Entity], noun: str) -> list[tuple[int, Entity]]:
-    """The people introduced with a relation: by name first ("my brother" is Reece), else the noun itself."""
-    related = [e for e in candidates if (e.relation == noun or noun in e.aliases) and e.kind != "thing"]
-    named = [(2, e) for e in related if e.key != noun and not e.key.endswith(noun)]
+    """The people introduced with a relation: by name first ("my brother" is Reece, "Dad" the one introduced
+    as "my father"), else the noun itself."""
+    same = _SAME_RELATION.get(noun, {noun})
+    related = [e for e in candidates if (e.relation in same or same & e.aliases) and e.kind != "thing"]
+    named = [(2, e) for e in related if e.key not in same and not e.key.endswith(noun)]
     return named or [(1, e) for e in related or [e for e in candidates if e.head == noun]]
+
+
+_SAME_RELATION = {word: group for group in map(set, (("mother", "mum", "mom"), ("father", "dad"),
+                                                   ("grandmother", "grandma", "nan"), ("grandfather", "grandad"),
+                                                   ("neighbour", "neighbor"))) for word in group}
 
 
 def _forms(word: str) -> tuple[str, ...]:

@@ -145,6 +145,14 @@ def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
     assert len(resolved) == 2
 
 
+def test_dad_is_the_person_introduced_as_my_father_and_a_relation_is_never_a_date():
+    graph = rules_graph((0, "I'm writing on behalf of my father, Desmond Mercer.", "Thank you. I've found Desmond's record."),
+                        (1, "Scrap Tuesdays. He's got physio on Mondays, my wife just reminded me.", "Noted."))
+    assert graph.entities["mondays"].kind == "date"  # "Mondays, my wife" reads like "Ellie, my daughter"
+    assert resolved_in(graph, 2, "Can Dad bring his own wheelchair?")["Dad"] == ("Desmond", 0)  # as last written
+    assert resolved_in(graph, 3, "And can my wife come along?")["my wife"][0] != "Mondays"
+
+
 def test_a_phrase_no_entity_goes_by_is_the_thing_an_earlier_turn_said_without_a_determiner():
     graph = rules_graph((0, "I paid by cheque on Monday.", "Thanks, noted."),
                         (1, "Also my email changed.", "Updated."))
