@@ -249,7 +249,8 @@ class KVStore(Cache):
         """Mark the live tokens of these dialogue turns as recalled at `turn`: a turn that recall brings
         back is used now as a whole, so the room made for its missing tokens is not taken from the part
         the cache still holds. Returns how many tokens were touched."""
-        rows = torch.isin(self.meta.turn, torch.tensor(turns, dtype=self.meta.turn.dtype)) & (self.meta.turn >= 0)
+        wanted = torch.tensor(turns, dtype=self.meta.turn.dtype, device=self.meta.turn.device)
+        rows = torch.isin(self.meta.turn, wanted) & (self.meta.turn >= 0)
         self.meta.recalled_at[rows] = turn
         return int(rows.sum())
 

@@ -218,7 +218,7 @@ class EntityGraph:
             named = span.attribute in ("name", "related name")
             kind = {"identity": "person" if named else "name" if span.attribute == "proper name" else "code"}.get(
                 span.type, span.type)
-            if kind in ("person", "name") and _key(span.text).removesuffix("s") in _CALENDAR:  # "Mondays, my wife": no one
+            if kind in ("person", "name") and _key(span.text).removesuffix("s") in CALENDAR:  # "Mondays, my wife": no one
                 kind = "date"
             relation = _relation_of(text, span.start, span.end, said) if kind in ("person", "name") else None
             if relation is None and role == "user" and span.attribute == "name" and not _THEIR_NAME.search(
@@ -323,7 +323,7 @@ class EntityGraph:
             if len(words) == 1 and (label and not speaker or _at_sentence_start(text, start) and not label
                                     and first not in self.entities and not self._same_person(first, "name")):
                 continue  # "Updated:", "Company:"; "Perfect." (but a known name, or a speaker's "Helen:", stays)
-            kind = ("date" if first.removesuffix("s") in _CALENDAR else "person" if first in _TITLES or speaker else
+            kind = ("date" if first.removesuffix("s") in CALENDAR else "person" if first in _TITLES or speaker else
                     "thing" if first == "the" or words[0].isupper() and len(words[0]) > 1 or last in _ORGANISATIONS
                     or any(c.isdigit() for c in match.group(0)) else  # "The Salt Path", "MOT", "Care 5", "Labs Ltd"
                     "place" if last in _STREETS or _LOCATIVE.search(text[max(0, start - 8):start]) else "name")
@@ -652,7 +652,7 @@ _STREETS = frozenset("street road lane close avenue drive way parade yard mews c
 _LOCATIVE = re.compile(r"\b(?:at|in|near|into|around|from)\s+$", re.I)
 _CLITIC = re.compile(r"'(?:s|ll|ve|d|re|m)$", re.I)
 _TITLES = frozenset(("mr", "mrs", "ms", "miss", "dr"))
-_CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june july
+CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june july
 august september october november december""".split())
 
 

@@ -10,10 +10,10 @@ prefilled, archived history the turn needs is found and its KV spliced back into
 - Recall. The unit of recall is a dialogue turn: every archived stretch of it that the cache no longer
   holds comes back together, so a fact returns with its frame, and what the cache still holds of it is
   marked used now, so the room made for the rest is not taken from it. Turns are chosen, within `share`
-  of the budget (the tokens re-injected count), first those that name an entity the user's turn names (a name, a
-  number, an address: whole words), then those of the topic the classifier says the user returns to
-  and those similar to the user's turn (FAISS, cosine at least `threshold`); within each group, the
-  more similar to the user's turn first.
+  of the budget (the tokens re-injected count), first those that name an entity the user's turn names
+  (a name, a number, an address: whole words), then those of the topic the classifier says the user
+  returns to and those similar to the user's turn (FAISS, cosine at least `threshold`); within each
+  group, the more similar to the user's turn first.
 - Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ from cache.store import KVStore, PLACEMENTS
 from classifiers.topics import analyse
 from memory.archive import Archive, ArchiveConfig
 from memory.embedder import Embedder
+from memory.graph import CALENDAR
 from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
 REASONS = ("referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
-CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june
-july august september october november december""".split())
 _SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, then a capitalised first word
 
 
