@@ -117,8 +117,9 @@ class LongTermMemory:
         """The store's eviction filter: what is new to the archive (not the system prompt or the notes,
         not tokens the archive holds already, such as those recalled from it)."""
         serial = meta.serial.to("cpu")
-        known = serial < len(self.archived)
-        known[known.clone()] = self.archived[serial[known]]
+        inside = serial < len(self.archived)  # serials past the mask's end are new
+        known = torch.zeros_like(inside)
+        known[inside] = self.archived[serial[inside]]
         return ~known.to(meta.turn.device) & (meta.turn >= 0)
 
     def _mark_archived(self, serials: torch.Tensor) -> None:
@@ -212,7 +213,8 @@ class LongTermMemory:
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
             chosen.sort(key=lambda s: int(s.serials.min()))
-            self.store.touch([r.turn for r in self.last], turn)
+            if self.last:
+                self.store.touch([r.turn for r in self.last], turn)
             self.charge("search", started)
             started = time.perf_counter()
             if chosen and self.config.reinject == "kv":
