@@ -284,8 +284,10 @@ class Agent:
         elif self.embedder is not None:
             turn.embedding = self.embedder.embed(text)[0]
         if self.tracker is not None:
+            started = time.perf_counter()
             decision = self.tracker.observe(text, embedding=turn.embedding)
             turn.segment, turn.topic = decision.topic_turn, decision.label
+            self._charge("topics", started)
         if self.graph is not None:
             started = time.perf_counter()
             turn.resolutions = self.graph.observe(turn.index, text)[1]
@@ -332,7 +334,9 @@ class Agent:
         turn.reply = reply if reply is not None else turn.reply
         if not turn.reply:
             return
+        started = time.perf_counter()
         reply_vector = self.embedder.embed(turn.reply)[0] if self.tracker is not None else None
+        self._charge("embed_reply", started)
         if self.tracker is not None:
             self.tracker.reply(turn.reply, embedding=reply_vector)
         if self.memory is not None:

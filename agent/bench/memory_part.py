@@ -5,9 +5,10 @@ The dialogue is the first of `data/dialogues.jsonl` (the generator's, never the 
 first of `--memory-dialogue PATH` (e.g. a hand-written one of `data/dev/`, whose longer messages cost
 more to embed and fill a larger budget), fed by teacher forcing through the Agent's own steps at a
 quarter of its full length as the budget, like `palace eval --budget 25%`. Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's
-words), `graph` (facts, references), `search` (FAISS and the archive's metadata), `splice` (re-injecting
-KV, with the eviction that makes room); after the reply `graph_reply` (the reply's mentions, the running
-summary), `archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed,
+words), `topics` (the topic classifier's decision), `graph` (facts, references), `search` (FAISS and the
+archive's metadata), `splice` (re-injecting KV, with the eviction that makes room); after the reply
+`embed_reply` (the reply, for its topic and its archived stretches), `graph_reply` (the reply's mentions,
+the running summary), `archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed,
 dropping its old KV; the new notes' forward is part of the reply's feed)."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-ON_CLOCK = ("embed", "graph", "search", "splice")
-STEPS = (*ON_CLOCK, "graph_reply", "archive", "notes")
+ON_CLOCK = ("embed", "topics", "graph", "search", "splice")
+STEPS = (*ON_CLOCK, "embed_reply", "graph_reply", "archive", "notes")
 
 
 DEFAULT_DIALOGUE = ROOT / "data" / "dialogues.jsonl"
