@@ -27,7 +27,7 @@ class TokenMeta:
     importance: torch.Tensor  # float: accumulated attention mass received
     surprisal: torch.Tensor  # float: -log p(token | what preceded it), its information content when fed
     serial: torch.Tensor  # long: index in the whole conversation stream; never reused, kept through compaction
-    recalled_at: torch.Tensor  # long: turn recall last brought the token's turn back at (re-injected or held); NOT_RECALLED
+    recalled_at: torch.Tensor  # long: turn recall last brought its turn back at (re-injected or held), else NOT_RECALLED
 
     @classmethod
     def empty(cls) -> "TokenMeta":

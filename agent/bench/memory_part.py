@@ -4,12 +4,14 @@ the same dialogue run by the hybrid without memory in the same process (the base
 The dialogue is the first of `data/dialogues.jsonl` (the generator's, never the held-out set), or the
 first of `--memory-dialogue PATH` (e.g. a hand-written one of `data/dev/`, whose longer messages cost
 more to embed and fill a larger budget), fed by teacher forcing through the Agent's own steps at a
-quarter of its full length as the budget, like `palace eval --budget 25%`. Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's
-words), `topics` (the topic classifier's decision), `graph` (facts, references), `search` (FAISS and the
-archive's metadata), `splice` (re-injecting KV, with the eviction that makes room); after the reply
-`embed_reply` (the reply, for its topic and its archived stretches), `graph_reply` (the reply's mentions,
-the running summary), `archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed,
-dropping its old KV; the new notes' forward is part of the reply's feed)."""
+quarter of its full length as the budget, like `palace eval --budget 25%`.
+
+Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's words), `topics` (the topic
+classifier's decision), `graph` (facts, references), `search` (FAISS and the archive's metadata),
+`splice` (re-injecting KV, with the eviction that makes room); after the reply `embed_reply` (the reply,
+for its topic and its archived stretches), `graph_reply` (the reply's mentions, the running summary),
+`archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed, dropping its
+old KV; the new notes' forward is part of the reply's feed)."""
 
 from __future__ import annotations
 
