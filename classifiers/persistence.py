@@ -113,7 +113,7 @@ NAME_PATTERNS = [
 ]
 _RELATION_AFTER = re.compile(r",?\s+(?i:my|our|the)\s+(?:\w+\s+)?(?:son|daughter|wife|husband|partner|mother|mum|"
                              r"father|dad|brother|sister|dog|cat|beagle|terrier|spaniel|puppy|kitten|tom|landlord|neighbour)\b")
-_NOT_NAMES = frozenset("""i im it its the a an and but so just here there sorry yes no not thanks thank please okay ok
+_NOT_NAMES = frozenset("""i im i'm i've i'd i'll it its the a an and but so just here there sorry yes no not thanks thank please okay ok
 flat apartment unit room house number order account booking ticket code he's she's they're we're now then
 hello hi hey morning afternoon evening calling ringing writing back still sure very really about afraid glad happy
 hes shes cheers however also ooh ha oh well right mum mums dad dads mom moms nan gran granny grandad grandma grandpa

@@ -16,8 +16,10 @@ points to: a networkx graph, built by rules (no parser model is available offlin
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import networkx as nx
 
@@ -298,12 +300,14 @@ class EntityGraph:
 
     def _same_person(self, key: str, kind: str) -> Entity | None:
         """The entity a name is part of, or that is part of it: "Kieran" after "Kieran Doyle", "Mr Osei"
-        after "Osei", "Maureen" after "I'm Maureen Pettigrew"."""
+        after "Osei", "Maureen" after "I'm Maureen Pettigrew"; a short form of a first name is part of it
+        too ("Ray" after "Raymond Alcott")."""
         words = set(key.split()) - _TITLES
         if kind not in ("name", "person") or not words:
             return None
         return next((e for e in reversed(self.entities.values()) if e.kind in ("name", "person")
-                     and (words < (known := set(e.key.split())) or 0 < len(known) < len(words) and known < words)), None)
+                     and (words < (known := set(e.key.split())) or 0 < len(known) < len(words) and known < words
+                          or _short_form(key, _first_name(e)))), None)
 
     def _names(self, text: str, role: str) -> list[tuple[int, int, str]]:
         """Capitalised names (start, end, kind), without the words that are capitalised only because a
@@ -319,10 +323,12 @@ class EntityGraph:
                 continue
             end = start + len(" ".join(words)) if len(words) > 1 else start + len(words[0])
             first, last, label = words[0].lower(), words[-1].lower(), text[end:end + 1] == ":"
-            speaker = label and role == "user" and not text[:start].strip(" *-")  # "Helen: can I ..."
+            speaker = label and role == "user" and not text[:start].strip(" *-") and first in given_names()
+            # a speaker's label: "Helen: can I ...", not "Correction: it's ..."
             if len(words) == 1 and (label and not speaker or _at_sentence_start(text, start) and not label
-                                    and first not in self.entities and not self._same_person(first, "name")):
-                continue  # "Updated:", "Company:"; "Perfect." (but a known name, or a speaker's "Helen:", stays)
+                                    and first not in self.entities and not self._same_person(first, "name")
+                                    and first not in given_names()):
+                continue  # "Updated:", "Company:"; "Perfect." (a known name, a given name, a speaker's "Helen:" stay)
             kind = ("date" if first.removesuffix("s") in CALENDAR else "person" if first in _TITLES or speaker else
                     "thing" if first == "the" or words[0].isupper() and len(words[0]) > 1 or last in _ORGANISATIONS
                     or any(c.isdigit() for c in match.group(0)) else  # "The Salt Path", "MOT", "Care 5", "Labs Ltd"
@@ -534,15 +540,16 @@ _KIND_WORDS = frozenset(noun for nouns in _KIND_NOUNS.values() for noun in nouns
 
 
 def _learn_genders(text: str, named: list[tuple[Entity, int, int]]) -> None:
-    """A he or she after a name, with no other name between, in its sentence or opening the next when the
-    name opened its own, tells the name's gender and that it is someone ("Kieran Doyle is booked, he'll
-    ring"; "Biscuit is barking again. He's our spaniel")."""
+    """A he or she after a name, with no other name between, in its sentence or opening the next, tells the
+    name's gender and that it is someone ("Kieran Doyle is booked, he'll ring"; "Biscuit is barking again.
+    He's our spaniel"), when the name opens its sentence or is a given name: "we're away over Christmas,
+    he stays here" says nothing of Christmas."""
     for match in _PERSONAL_WORD.finditer(text):
         before = [(start, entity) for entity, start, end in named if end <= match.start() and
                   entity.kind in ("name", "person", "pet") and entity.relation != SELF]
         start, entity = max(before, key=lambda se: se[0], default=(-1, None))
-        if entity is not None and entity.gender is None and (_SENTENCE.fullmatch(text[start:match.start()]) or (
-                _NEXT_SENTENCE.fullmatch(text[start:match.start()]) and _at_sentence_start(text, start))):
+        if entity is not None and entity.gender is None and (_at_sentence_start(text, start) or _someone(entity)) and (
+                _SENTENCE.fullmatch(text[start:match.start()]) or _NEXT_SENTENCE.fullmatch(text[start:match.start()])):
             entity.gender = PERSONAL[match.group(0).lower()]
             entity.kind = "person" if entity.kind == "name" else entity.kind
 
@@ -557,7 +564,37 @@ _PERSONAL_WORD = re.compile(r"\b(?:he|she)\b", re.I)  # a subject: "her", "his" 
 
 def _gender(entity: Entity) -> str | None:
     relation = entity.relation or ""
-    return entity.gender or ("female" if relation in FEMALE_RELATIONS else "male" if relation in MALE_RELATIONS else None)
+    by_name = given_names().get(_first_name(entity)) if entity.kind in ("name", "person") else None
+    return entity.gender or ("female" if relation in FEMALE_RELATIONS else "male" if relation in MALE_RELATIONS
+                             else by_name or None)
+
+
+GIVEN_NAMES = Path(__file__).resolve().parent.parent / "data" / "lexicon" / "given-names.tsv"
+
+
+@functools.cache
+def given_names() -> dict[str, str]:
+    """Common given names, lowercase, each with "male", "female" or "" (either): a hand-written list
+    (data/lexicon/given-names.tsv), so that "Desmond" is someone before a pronoun says so, and a
+    capitalised "Correction" or "Leeds" is not someone "he" can mean."""
+    genders = {"m": "male", "f": "female", "u": ""}
+    rows = (line.split("\t") for line in GIVEN_NAMES.read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.startswith("#"))
+    return {name.strip().lower(): genders[gender.strip()] for name, gender in rows}
+
+
+def _short_form(name: str, first: str) -> bool:
+    """"Ray" of Raymond, "Dom" of Dominic: a single given name that begins a longer first name."""
+    return " " not in name and 3 <= len(name) < len(first) and first.startswith(name) and name in given_names()
+
+
+def _first_name(entity: Entity) -> str:
+    return next((w for w in entity.key.split() if w not in _TITLES), "")
+
+
+def _someone(entity: Entity) -> bool:
+    """A person or pet, or a name that the given-names list knows."""
+    return entity.kind in ("person", "pet") or entity.kind == "name" and _first_name(entity) in given_names()
 
 
 def _named_instead(candidates: list[Entity]) -> list[Entity]:
@@ -590,7 +627,7 @@ def _prior(entity: Entity, word: str | None) -> float:
         return PRIOR_THERE.get(entity.kind, 0.3)
     if word in PERSONAL:
         named = entity.name[:1].isupper()  # Kieran, not "the engineer" (or a name not yet known to be someone's)
-        return (1.0 if named else 0.5) if entity.kind in ("person", "pet") else 0.3
+        return (1.0 if named else 0.5) if _someone(entity) else 0.3
     if word in PLURAL:  # "they": things in the plural, then what looks like an organisation ("the council", "NGED")
         if entity.kind in ("thing", "person") and entity.head.endswith("s") and not entity.head.endswith("ss"):
             return 1.0

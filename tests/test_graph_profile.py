@@ -229,3 +229,22 @@ def test_a_corrected_value_wins_over_the_old_one_with_the_notes(embedded):
     ask(agent, "Which address do you have for me now?")
     new, old = agent.score(["Your address is 70 Poplar Lane, Bristol BS3 4QT.", "Your address is 37 Larch Close, Bristol BS3 4QT."])
     assert new > old
+
+
+def test_he_is_a_given_name_not_a_capitalised_word_no_list_knows():
+    """The hand-written given-names list: "Desmond" opening a sentence is someone, "Ray" is Raymond, and
+    neither a label ("Correction:") nor a name with "he" after it in the same sentence ("over Christmas, he")
+    becomes a person."""
+    graph = rules_graph((0, "Desmond rang about the booking.", "Thanks, I've noted it."),
+                        (1, "Correction: the booking is for Saturday.", "Updated."))
+    assert "correction" not in graph.entities
+    assert resolved_in(graph, 2, "Can he bring his walker?")["he"][0] == "Desmond"
+    graph = rules_graph((0, "It's for Raymond Alcott. We're away over Christmas, he stays with us.", "Noted."),
+                        (1, "Ray can't manage stairs.", "Understood."))
+    assert graph.entities["christmas"].kind != "person"
+    assert "ray" not in graph.entities and graph.entities["raymond alcott"].name == "Ray"
+
+
+def test_i_am_is_never_a_name_introduced_with_a_relation():
+    graph = rules_graph((0, "Between the dog and my mother, I'm not sure who runs this house.", "Ha, noted."))
+    assert not any("i" in entity.key.split() for entity in graph.entities.values())
