@@ -459,7 +459,7 @@ class EntityGraph:
     def _antecedent(self, entity: Entity, turn: int) -> int:
         """The latest earlier turn whose text names the entity (a pronoun or "the X" does not name it): what
         long-term memory re-injects. A person is named by any one of their names ("Kieran" for Kieran Doyle)."""
-        names = [w for w in entity.key.split() if w not in _TITLES] if entity.kind in ("person", "name") else [entity.key]
+        names = _name_words(entity) if entity.kind in ("person", "name") else [entity.key]
         for earlier in range(turn - 1, -1, -1):
             text = self.graph.nodes[f"turn:{earlier}"].get("text", "") if f"turn:{earlier}" in self.graph else ""
             if any(f" {name} " in text for name in names):
@@ -548,8 +548,9 @@ def _learn_genders(text: str, named: list[tuple[Entity, int, int]]) -> None:
         before = [(start, entity) for entity, start, end in named if end <= match.start() and
                   entity.kind in ("name", "person", "pet") and entity.relation != SELF]
         start, entity = max(before, key=lambda se: se[0], default=(-1, None))
+        between = text[start:match.start()]
         if entity is not None and entity.gender is None and (_at_sentence_start(text, start) or _someone(entity)) and (
-                _SENTENCE.fullmatch(text[start:match.start()]) or _NEXT_SENTENCE.fullmatch(text[start:match.start()])):
+                _SENTENCE.fullmatch(between) or _NEXT_SENTENCE.fullmatch(between)):
             entity.gender = PERSONAL[match.group(0).lower()]
             entity.kind = "person" if entity.kind == "name" else entity.kind
 
@@ -564,9 +565,9 @@ _PERSONAL_WORD = re.compile(r"\b(?:he|she)\b", re.I)  # a subject: "her", "his" 
 
 def _gender(entity: Entity) -> str | None:
     relation = entity.relation or ""
-    by_name = given_names().get(_first_name(entity)) if entity.kind in ("name", "person") else None
-    return entity.gender or ("female" if relation in FEMALE_RELATIONS else "male" if relation in MALE_RELATIONS
-                             else by_name or None)
+    if entity.gender or relation in FEMALE_RELATIONS or relation in MALE_RELATIONS:
+        return entity.gender or ("female" if relation in FEMALE_RELATIONS else "male")
+    return given_names().get(_first_name(entity)) or None if entity.kind in ("name", "person") else None
 
 
 GIVEN_NAMES = Path(__file__).resolve().parent.parent / "data" / "lexicon" / "given-names.tsv"
@@ -588,8 +589,13 @@ def _short_form(name: str, first: str) -> bool:
     return " " not in name and 3 <= len(name) < len(first) and first.startswith(name) and name in given_names()
 
 
+def _name_words(entity: Entity) -> list[str]:
+    """A person's names without their title: "Mr Osei" goes by "osei"."""
+    return [w for w in entity.key.split() if w not in _TITLES]
+
+
 def _first_name(entity: Entity) -> str:
-    return next((w for w in entity.key.split() if w not in _TITLES), "")
+    return next(iter(_name_words(entity)), "")
 
 
 def _someone(entity: Entity) -> bool:
