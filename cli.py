@@ -278,7 +278,9 @@ def eval_(
                                          "words) or chronological."),
     memory_unit: str = typer.Option("message", "--memory-unit",
                                     help="+memory: what an evicted stretch is embedded as, message or span."),
-    memory_share: float = typer.Option(0.25, "--memory-share", help="+memory: most of the budget one recall re-injects."),
+    memory_share: Optional[float] = typer.Option(None, "--memory-share",
+                                                 help="+memory: most of the budget one recall re-injects (default: "
+                                                 "MemoryConfig.share)."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX "
@@ -302,7 +304,8 @@ def eval_(
     dialogues = load_dialogues(files)[:limit]
     config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id,
-                        memory=MemoryConfig(share=memory_share, placement=memory_placement, unit=memory_unit))
+                        memory=MemoryConfig(placement=memory_placement, unit=memory_unit,
+                                            **({} if memory_share is None else {"share": memory_share})))
     loaded = load_model(model, device, dtype)
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None

@@ -169,9 +169,12 @@ class Archive:
             self._tiers.commit()
         return segment_id
 
-    def get(self, segment_id: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Segment:
+    def get(self, segment_id: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+            copy: bool = True) -> Segment:
         """The segment with its KV in `dtype` (default: the dtype it was added in; int8 is dequantized),
-        every tensor on `device`. KeyError if there is no such segment."""
+        every tensor on `device`. `copy=False` may hand out the archive's own KV tensors, to be read and
+        never modified (a caller that gathers from them copies once instead of twice). KeyError if there is
+        no such segment."""
         row = self._db.execute(
             f"SELECT {RECORD_COLUMNS}, tokens, positions, importance, surprisal, serials, dtype, codec FROM segments"
             " WHERE id = ?",
@@ -180,7 +183,7 @@ class Archive:
             raise KeyError(segment_id)
         payload, shared = self._tiers.get(segment_id)
         try:
-            keys, values = codec.decode(payload, row[15], dtype or getattr(torch, row[14]), device, copy=shared)
+            keys, values = codec.decode(payload, row[15], dtype or getattr(torch, row[14]), device, copy=shared and copy)
         except KeyError as error:
             raise ArchiveError(self._tiers.path(segment_id), f"holds no {error} tensor for {row[15]} KV") from error
         return Segment(

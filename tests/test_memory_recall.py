@@ -46,7 +46,10 @@ def test_evicted_messages_are_archived_once_and_an_entity_brings_them_back(tiny)
     archived = memory.archive.segments_for("local", "default", turns=range(0, 1))
     assert archived and all(r.text == TEXTS[0] for r in archived)  # embedded and found as its whole message
     assert not bool((store.meta.turn == 0).any())
+    before = [memory.archive.get(r.id).keys.clone() for r in archived]
     recalled = memory.recall(6, shared_embedder().embed("How is Biscuit doing?")[0], ["biscuit"], None)
+    # the splice re-rotated copies of the archived keys, never the archive's own (recall reads them uncopied)
+    assert all(torch.equal(memory.archive.get(r.id).keys, keys) for r, keys in zip(archived, before))
     assert [(r.turn, r.reason, r.detail, r.tokens) for r in recalled][:1] == [(0, "entity", "biscuit", 12)]
     back = store.meta.turn == 0
     assert int(back.sum()) == 12 and bool((store.meta.recalled_at[back] == 6).all())

@@ -124,6 +124,23 @@ def test_embedder_pools_as_sentence_transformers_encode_does(embedder):
     assert (batch * encoded).sum(1).min() > 0.99999 and (alone * batch).sum(1).min() > 0.99999
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embedder_lean_pass_equals_transformers_forward(dtype):
+    """The lean encoder pass computes BertModel's products in its order: the same hidden states, padded
+    batch or not, in either precision (so nothing tuned on vectors of one path means else on the other)."""
+    embedder = Embedder(EmbedderConfig(dtype=dtype, cache_size=0))
+    assert embedder._lean is not None
+    texts = ["Hi", "Flat 14, 37 Larch Close, please: the courier keeps going to number 73 instead of mine.",
+             "Can I move the booking FB-22817 to Sunday?"]
+    for batch in ([texts[1]], texts):
+        tokens = embedder.model.tokenizer(batch, padding=True, pad_to_multiple_of=16, return_tensors="pt")
+        with torch.inference_mode():
+            reference = embedder.model[0].auto_model(**tokens).last_hidden_state
+            lean = embedder._lean(tokens)
+        real = tokens["attention_mask"].bool()  # padded rows are never pooled
+        assert lean.dtype == reference.dtype and torch.allclose(lean[real].float(), reference[real].float(), atol=1e-5)
+
+
 # --- index --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
