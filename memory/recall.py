@@ -274,26 +274,11 @@ class LongTermMemory:
         return missing
 
     def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
-        """The missing tokens' KV, read from the archive, in serial order: one gather over the segments'
-        own tensors (read without a copy), so the KV is copied once per recall, not once per step."""
-        parts = [self.archive.get(segment_id, copy=False).to_span() for segment_id, _ in missing]
-        offsets = np.cumsum([0, *(len(part) for part in parts[:-1])]).tolist()
-        index = torch.cat([torch.nonzero(mask).flatten() + offset for (_, mask), offset in zip(missing, offsets)])
-        meta = parts[0].meta.cat(*(part.meta for part in parts[1:])) if len(parts) > 1 else parts[0].meta
-        serials = meta.serial[index]
-        if not bool((serials[1:] > serials[:-1]).all()):
-            index = index[torch.argsort(serials)]
-
-        whole = len(index) == len(meta) and bool((index == torch.arange(len(meta))).all())
-
-        def gathered(side: str) -> torch.Tensor:  # a new tensor either way: the archive's stays untouched
-            tensors = [getattr(part, side) for part in parts]
-            if whole:
-                return torch.cat(tensors, dim=2)
-            joined = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=2)
-            return joined.index_select(2, index.to(joined.device))
-
-        return KVSpan(meta.select(index), gathered("keys"), gathered("values"))
+        """The missing tokens' KV, read from the archive, in serial order: the segments' own tensors (read
+        without a copy) joined, then the missing tokens picked, a new tensor the splice may re-rotate."""
+        span = KVSpan.cat([self.archive.get(segment_id, copy=False).to_span() for segment_id, _ in missing])
+        index = torch.nonzero(torch.cat([mask for _, mask in missing])).flatten()
+        return span.select(index[torch.argsort(span.serials[index])])
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),
