@@ -12,7 +12,8 @@ points to: a networkx graph, built by rules (no parser model is available offlin
   place for "there", an entity that goes by the phrase's head noun for "the other address", the person
   named with that relation for "my daughter"), and names the turn where that entity was last named
   (not just referred to), which is what the long-term memory brings back. Salience decays fast with
-  the turns gone by: most references point one turn back."""
+  the turns gone by (most references point one turn back), and slowly for what the dialogue keeps
+  coming back to (the parcel of a courier chat)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from classifiers.topics import STOPWORDS
 
 USER = "user"
 DECAY = 0.2  # salience kept per turn gone by
+SLOW = 0.95  # the same for a dialogue's standing topics ("the parcel" of a courier chat), which "it" still means later
+STANDING = 0.05  # how much the standing topics weigh against the turn's focus
 _APPOSITION = re.compile(r"[\s,]*(?:(?:is|was|will be|called|named|who is|,|:)\s*)?", re.I)  # between a phrase and its name
 ROLE_WEIGHT = {"user": 1.0, "assistant": 1.0}
 DENIED = 0.2  # what a mention weighs when the text says it is not the one ("..., not 37 Larch Close")
@@ -78,7 +81,8 @@ class Entity:
     mentions: list[tuple[int, float]] = field(default_factory=list)  # (turn, weight)
 
     def salience(self, now: int) -> float:
-        return sum(weight * DECAY ** (now - turn) for turn, weight in self.mentions if turn <= now)
+        return sum(weight * (DECAY ** (now - turn) + STANDING * SLOW ** (now - turn)) for turn, weight in self.mentions
+                   if turn <= now)
 
     @property
     def last(self) -> int:
@@ -127,18 +131,22 @@ _REFERENCE = re.compile(
     rf"|(?P<other>the other (?P<other_head>[a-z]+))"
     rf"|(?P<rel>(?:(?:my|our) {_RELATION}|(?:{'|'.join(PARENTS)}))(?:'?s)?)\b"
     rf"|(?P<def>(?:the|that|this|those|these|my|our|your) (?P<def_head>[£$€]?[a-z0-9]+))"
-    rf"|(?P<pro>{'|'.join(list(PERSONAL) + list(THING) + list(PLURAL) + list(PLACE))}|that|this))\b", re.I)
+    rf"|(?P<pro>{'|'.join(list(PERSONAL) + list(THING) + list(PLURAL) + list(PLACE))}|that|this))\b"
+    rf"|\b(?P<owner>(?-i:[A-Z][\w-]*)'s)(?= [a-z])", re.I)
 Found = tuple[str, str, str, str | None, int, int, bool]  # name, kind, head, relation, start, end, proper
 Want = tuple[str, tuple[str, ...]]  # how to match ("pronoun", "relation", "phrase", "given", "other", "one"), its words
-_NOUN_PHRASE = re.compile(  # after a determiner or a possessive ("the council's approval letter")
-    rf"\b(?:{DETERMINERS}|a|an|some|any|another|both|each|every|(?!(?:it|that|there|here|what|who|he|she|let|where)'s)"
-    rf"[a-z]+'s)\s+((?:[a-z][a-z-]+\s+){{0,2}}[a-z][a-z-]+)", re.I)
+_NUMBERS = frozenset("one two three four five six seven eight nine ten".split())
+_NOUN_PHRASE = re.compile(  # after a determiner, a number or a possessive ("the council's approval letter")
+    rf"\b(?:{DETERMINERS}|a|an|some|any|another|both|each|every|{'|'.join(_NUMBERS)}"
+    rf"|(?!(?:it|that|there|here|what|who|he|she|let|where)'s)[a-z]+'s)"
+    rf"(?:\s+(?:pair|set|couple|box|bag|pack|packet|bottle|bunch)\s+of)?"  # "a pair of varifocals": the varifocals
+    rf"\s+((?:[a-z][a-z-]+\s+){{0,2}}[a-z][a-z-]+)", re.I)
 _CAPITALISED = re.compile(r"\b[A-Z][a-zA-Z'’-]+(?:\s+(?:[A-Z][a-zA-Z'’-]+|\d[\w.]*(?:\s?(?:mg|ml|g|kg|cm|mm|GB|TB))?))*")
-_NOT_THINGS = frozenset("""one other same way time thing things lot bit moment end week day month year morning afternoon
-evening night today tomorrow yesterday problem issue question answer help thanks chance point case while rest meantime
-fact idea sort kind number details detail info information system number world place phone call line chat new old
-different bad big small little important damaged broken front back first second third last next best cheapest
-earliest latest""".split())
+_NOT_THINGS = frozenset("""one other same way time thing things lot bit moment minute minutes hour hours end week
+weeks day month months year years morning afternoon evening night today tomorrow yesterday problem issue question
+answer help thanks chance point case while rest meantime fact idea sort kind number details detail info information
+system number world place phone call line chat new old different bad big small little important damaged broken front
+back first second third last next best cheapest earliest latest""".split())
 _CONTENT = re.compile(r"[a-z0-9]+")
 
 # corrections: a turn with one of these supersedes earlier facts of the same attribute
@@ -396,7 +404,14 @@ class EntityGraph:
         earlier = [(e, e.words()) for e in self.entities.values() if e.mentions[0][0] < turn]
         names = [(start, text[start:end]) for start, end, kind in self._names(text, "user")
                  if kind in ("name", "person")]
+        things = [(e, words) for e, words in earlier if e.kind == "thing"]
         for match in _REFERENCE.finditer(text):
+            owned = _owned(match, text)
+            found = owned and self._best(turn, owned[1], things)
+            if found and found[1] == len(owned[1][1]):  # "Poppy's present": the present named before
+                out.append((Resolution(text[match.start():owned[0]], match.start(), "definite", found[0].name,
+                                       self._antecedent(found[0], turn)), found[0]))
+                continue
             reference = _reference(match, text)
             if reference is None:
                 continue
@@ -619,7 +634,7 @@ def _compatible(entity: Entity, word: str) -> bool:
     if word in PLACE:
         return entity.kind in ("address", "place", "name") or entity.head in ("shop", "branch", "office", "surgery", "station")
     if word in PLURAL:  # things, organisations, people in the plural: not one person
-        return entity.kind not in ("person", "pet") or entity.head in PLURAL_PEOPLE
+        return not _someone(entity) or entity.head in PLURAL_PEOPLE
     return entity.kind not in ("person", "pet")  # it, that, this, that one
 
 
@@ -633,11 +648,14 @@ def _prior(entity: Entity, word: str | None) -> float:
         return PRIOR_THERE.get(entity.kind, 0.3)
     if word in PERSONAL:
         named = entity.name[:1].isupper()  # Kieran, not "the engineer" (or a name not yet known to be someone's)
-        return (1.0 if named else 0.5) if _someone(entity) else 0.3
+        known = 2.0 if _gender(entity) == PERSONAL[word] else 1.0
+        return known * (1.0 if named else 0.5) if _someone(entity) else 0.3
     if word in PLURAL:  # "they": things in the plural, then what looks like an organisation ("the council", "NGED")
         if entity.kind in ("thing", "person") and entity.head.endswith("s") and not entity.head.endswith("ss"):
             return 1.0
-        return 0.8 if entity.kind == "name" or entity.name[:1].isupper() else 0.5 if entity.kind == "thing" else 0.3
+        if entity.kind not in ("thing", "name", "person"):  # codes, dates, amounts are one thing each
+            return 0.1
+        return 0.8 if entity.kind == "name" or entity.name[:1].isupper() else 0.5
     return PRIOR_IT.get(entity.kind, 0.5)
 
 
@@ -664,18 +682,18 @@ def _key(name: str) -> str:
 def _relation_near(text: str, start: int, end: int) -> str | None:
     """The relation a name is introduced with: "my daughter Ellie", "my fiancé is Dev" or "Biscuit, my beagle"."""
     found = _RELATION_BEFORE.search(text[max(0, start - 40):start]) or _RELATION_AFTER.match(text[end:])
-    return found.group(1).lower() if found else None
+    return next(word.lower() for word in found.groups() if word) if found else None
 
 
-_RELATION_BEFORE = re.compile(rf"\b(?:my|our)\s+(?:\w+\s+)?({_RELATION}|{'|'.join(PETS)})(?:,|\s+(?:is|was|called|named))?\s*$",
-                              re.I)
+_RELATION_BEFORE = re.compile(  # "my daughter Ellie", "our beagle, Biscuit", "Mum's called Patricia"
+    rf"\b(?:(?:my|our)\s+(?:\w+\s+)?({_RELATION}|{'|'.join(PETS)})|({'|'.join(PARENTS)}))"
+    rf"(?:,|(?:'s|\s+is|\s+was)?\s+(?:called|named)|\s+(?:is|was))?\s*$", re.I)  # "'s" alone owns: "my husband's Yaris"
 _RELATION_AFTER = re.compile(rf",?\s+(?:my|our)\s+(?:\w+\s+)?({_RELATION}|{'|'.join(PETS)})\b", re.I)
 
 
 _VERBS = frozenset("""is are was were be been has have had do does did can could will would should may might must needs
 need wants want keep keeps stopped broke works worked arrived came come comes went go goes says said say got get gets paid
 sent left took take takes gave give gives made make makes show shows told put run runs thought found ago""".split())
-_NUMBERS = frozenset("one two three four five six seven eight nine ten".split())
 _OBJECTS = frozenset("the a an you me it him her them us my your our their this that up".split())  # after a verb
 
 
@@ -712,7 +730,9 @@ _DEMONSTRATIVE_PRONOUN = re.compile(  # "that" followed by a verb, a preposition
 
 def _reference(match: re.Match, text: str) -> tuple[str, int, Want] | None:
     """A reference's type, where its span ends and what it wants; None for what only looks like one
-    ("so that we", "the way")."""
+    ("so that we", "the way", "Poppy's")."""
+    if match.group("owner"):
+        return None
     if match.group("one"):
         modifier = (match.group("one_mod") or "").strip("\"'").lower()
         how = "other" if modifier == "other" else "one"
@@ -732,6 +752,15 @@ def _reference(match: re.Match, text: str) -> tuple[str, int, Want] | None:
         return kind, end, (how, tuple(words))
     word = match.group("pro").lower()
     return _demonstrative(match, text) if word in ("that", "this") else ("pronoun", match.end(), ("pronoun", (word,)))
+
+
+def _owned(match: re.Match, text: str) -> tuple[int, Want] | None:
+    """The noun phrase a name owns ("Poppy's welcome pack") and where it ends: a reference to the thing
+    when an earlier one goes by all of its words."""
+    if not match.group("owner") or match.group("owner").lower().removesuffix("'s") in STOPWORDS:
+        return None  # "It's", "That's"
+    words, end = _phrase_at(text, match.end() + 1)
+    return (end, ("phrase", tuple(words))) if words and words[-1] not in PEOPLE_NOUNS else None
 
 
 def _chained(resolved: list[tuple[Resolution, Entity]], want: Want) -> tuple[Entity, int] | None:

@@ -248,3 +248,21 @@ def test_he_is_a_given_name_not_a_capitalised_word_no_list_knows():
 def test_i_am_is_never_a_name_introduced_with_a_relation():
     graph = rules_graph((0, "Between the dog and my mother, I'm not sure who runs this house.", "Ha, noted."))
     assert not any("i" in entity.key.split() for entity in graph.entities.values())
+
+
+def test_he_prefers_the_man_known_to_be_male_and_they_a_plural_thing_not_a_code():
+    graph = rules_graph((0, "I'm calling for my grandad, Albert Finch. He has his cataract operation on Friday.",
+                         "Thanks. I've found Albert's referral for Friday."),
+                        (1, "Will the nurse ring him beforehand?", "Yes, the nurse calls the day before."))
+    assert resolved_in(graph, 2, "Should he stop eating the night before?")["he"] == ("Albert", 0)  # not the nurse
+    graph = rules_graph((0, "My order BX-2231 had two lamps in it.", "Thanks, I can see BX-2231."))
+    assert resolved_in(graph, 1, "Are they boxed separately?")["they"][0] == "lamps"
+
+
+def test_a_parent_named_with_is_called_and_a_thing_a_name_owns_resolve():
+    graph = rules_graph((0, "We need a quote for the funeral flowers. Mum's called Irene, she chose them.",
+                         "Thanks. Irene's wreath of white roses is £85."),
+                        (1, "Lovely. And a wreath for Auntie May too.", "Added."))
+    resolved = resolved_in(graph, 2, "Can Mum see Irene's wreath before Friday?")
+    assert resolved["Mum"] == ("Irene", 0)
+    assert resolved["Irene's wreath"][0] == "wreath"
