@@ -201,7 +201,7 @@ class LongTermMemory:
         budget = self.store.policy.budget
         if budget is not None and len(self.archive):
             room = int(budget * self.config.share)
-            chosen: list[KVSpan] = []
+            chosen: list[tuple[int, torch.Tensor]] = []  # archived segments, each with the mask of its missing tokens
             live = torch.zeros(self.store.next_serial, dtype=torch.bool)
             live[self.store.meta.serial] = True
             for old_turn, reason, detail in self._candidates(query, entities, topic, referents or {}, summarised or {}):
@@ -209,18 +209,17 @@ class LongTermMemory:
                 count = sum(int(mask.sum()) for _, mask in missing)
                 if not count or count > room:
                     continue
-                chosen.append(self._span(missing))
+                chosen += missing
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
-            chosen.sort(key=lambda s: int(s.serials.min()))
+            span = self._span(chosen) if chosen else None
             if self.last:
                 self.store.touch([r.turn for r in self.last], turn)
             self.charge("search", started)
             started = time.perf_counter()
-            if chosen and self.config.reinject == "kv":
-                self.store.inject(chosen, turn, self.config.placement)
-            elif chosen:  # the baseline: the same tokens re-encoded after the cache, as a note
-                span = KVSpan.cat(chosen)
+            if span is not None and self.config.reinject == "kv":
+                self.store.inject(span, turn, self.config.placement)
+            elif span is not None:  # the baseline: the same tokens re-encoded after the cache, as a note
                 self.feed(span.meta.token.tolist(), turn)
                 self.store.mark_recalled(span.meta, turn)
         self.charge("splice", started)
@@ -274,8 +273,10 @@ class LongTermMemory:
         return missing
 
     def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
-        """The missing tokens' KV, read from the archive, in serial order: the segments' own tensors (read
-        without a copy) joined, then the missing tokens picked, a new tensor the splice may re-rotate."""
+        """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
+        each in the order it was said): the segments' own tensors (read without a copy) joined, then the
+        missing tokens picked, a new tensor the splice may re-rotate; all recalled turns at once, so the
+        splice gets one span to place and copies nothing more."""
         span = KVSpan.cat([self.archive.get(segment_id, copy=False).to_span() for segment_id, _ in missing])
         index = torch.nonzero(torch.cat([mask for _, mask in missing])).flatten()
         return span.select(index[torch.argsort(span.serials[index])])
