@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -256,6 +257,24 @@ def info(model: str = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt) 
         typer.echo(f"{key:28} {value}")
 
 
+class LineProgress:
+    """`palace eval`'s progress where stderr is a log file, not a terminal: a line per policy and dialogue done
+    (rich draws its bars there only when the run ends, so a long run would look hung)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[list] = []
+        self.started = time.monotonic()
+
+    def add_task(self, name: str, total: int) -> int:
+        self.tasks.append([name, 0, total])
+        return len(self.tasks) - 1
+
+    def advance(self, task: int) -> None:
+        self.tasks[task][1] += 1
+        name, done, total = self.tasks[task]
+        typer.echo(f"{name} {done}/{total} {time.monotonic() - self.started:.0f} s", err=True)
+
+
 @app.command("eval")
 def eval_(
     files: list[str] = typer.Argument(..., help="Dialogue files (.json/.jsonl) or directories of them."),
@@ -289,6 +308,8 @@ def eval_(
     """Run scripted dialogues under each cache policy and compare accuracy, memory and latency."""
     import json
 
+    from contextlib import nullcontext
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -310,7 +331,8 @@ def eval_(
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None
     columns = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as progress:
+    bars = Progress(*columns, console=Console(stderr=True)) if sys.stderr.isatty() else nullcontext(LineProgress())
+    with bars as progress:
         result = evaluate(loaded, dialogues, config, progress, pool)
     Console(width=None if sys.stdout.isatty() else 200).print(table(result))  # piped: no truncated columns
     if json_path:

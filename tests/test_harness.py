@@ -166,9 +166,10 @@ def palace(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     out_json, out_png = tmp_path / "out.json", tmp_path / "figures" / "out.png"  # a folder not yet made
-    code, out, _ = palace(monkeypatch, capsys, "eval", str(FIXTURE), "--policy", "full,window", "--budget", "25%",
-                          "--json", str(out_json), "--plot", str(out_png))
+    code, out, err = palace(monkeypatch, capsys, "eval", str(FIXTURE), "--policy", "full,window", "--budget", "25%",
+                            "--json", str(out_json), "--plot", str(out_png))
     assert code == 0 and "accuracy" in out
+    assert [line.split()[:2] for line in err.splitlines()] == [["full", "1/1"], ["window", "1/1"]]  # a log: lines, no bars
     data = json.loads(out_json.read_text())
     assert {run["policy"] for run in data["runs"]} == {"full", "window"}
     assert set(data["runs"][0]) == {
