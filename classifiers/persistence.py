@@ -22,7 +22,7 @@ import numpy as np
 
 TYPES = ("identity", "contact", "address", "amount", "date", "preference", "taboo")
 FORMAT_VERSION = 1
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "models" / "persistence.json"
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "persistence.json"  # models/ links to data/models
 
 
 @dataclass(frozen=True)

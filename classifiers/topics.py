@@ -46,7 +46,7 @@ import numpy as np
 
 FORMAT_VERSION = 2  # of the model file; 2: the ranker's topic features and margins (TOPIC_FEATURES)
 STATE_VERSION = 1  # of TopicTracker.state()
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "data" / "models" / "topics.json"
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "topics.json"  # models/ links to data/models
 EMBED_DIM = 384
 MAX_CANDIDATES = 48  # earlier topics considered for a return (the most recently active ones)
 DECISIONS = ("continue", "new", "return")

@@ -585,7 +585,7 @@ def _gender(entity: Entity) -> str | None:
     return given_names().get(_first_name(entity)) or None if entity.kind in ("name", "person") else None
 
 
-GIVEN_NAMES = Path(__file__).resolve().parent.parent / "data" / "lexicon" / "given-names.tsv"
+GIVEN_NAMES = Path(__file__).resolve().parent / "lexicon" / "given-names.tsv"  # lexicon/ links to data/lexicon
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The `palace` command as a person uses it: piped chat, info, and one-line errors."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,25 @@ def test_hostile_messages_stay_plain_text_and_a_huge_one_is_chunked_in_bounded_m
     baseline_done, baseline = chat_measured(tiny_dir, short)
     assert baseline_done.returncode == 0, baseline_done.stderr
     assert peak < baseline * 1.5, (peak, baseline)  # a 200,000-character message is fed in budget-sized chunks
+
+
+def test_a_built_wheel_carries_the_topic_model_and_the_names_list(tmp_path):
+    """Installed from a wheel, outside a checkout, the agent still finds its shipped topic model and the
+    graph its given-names list (package data, not files beside the source tree)."""
+    source = tmp_path / "source"  # a copy: a wheel build writes build/ into the tree it builds
+    shutil.copytree(Path(__file__).resolve().parent.parent, source, symlinks=True,
+                    ignore=shutil.ignore_patterns(".venv", ".git", "out", "build", "*.egg-info", "__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    wheel = next((tmp_path / "wheel").glob("*.whl"))
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                              str(tmp_path / "site"), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    check = ("import classifiers.topics as t, memory.graph as g\n"
+             "assert t.__file__.startswith(%r), t.__file__\n"
+             "t.TopicModel.load(); print(len(g.given_names()))" % str(tmp_path / "site"))
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 2000
