@@ -306,8 +306,6 @@ def eval_(
                               "or AVX-512 BF16; else float32), float32, bfloat16 or float16."),
 ) -> None:
     """Run scripted dialogues under each cache policy and compare accuracy, memory and latency."""
-    import json
-
     from contextlib import nullcontext
 
     from rich.console import Console
