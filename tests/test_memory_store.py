@@ -130,6 +130,8 @@ def test_embedder_lean_pass_equals_transformers_forward(dtype):
     batch or not, in either precision (so nothing tuned on vectors of one path means else on the other)."""
     embedder = Embedder(EmbedderConfig(dtype=dtype, cache_size=0))
     assert embedder._lean is not None
+    packed = {linear.packed is not None for layer in embedder._lean.layers for linear in layer if hasattr(linear, "packed")}
+    assert packed == {dtype == "bfloat16" and torch.backends.mkldnn.is_available()}  # the path under test
     texts = ["Hi", "Flat 14, 37 Larch Close, please: the courier keeps going to number 73 instead of mine.",
              "Can I move the booking FB-22817 to Sunday?"]
     for batch in ([texts[1]], texts):
