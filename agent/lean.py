@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from agent.packed import PackedLinear
 from agent.qlinear import DECODE_ROWS, Int4Linear, Q8Head
 from cache import native
 from cache.attention import Piece, palace_attention
@@ -80,7 +81,7 @@ def _modules_layer(layer: torch.nn.Module) -> _Layer:
     norm_in = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
     norm_post = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
     qkv, gate_up = _fused([attention.q_proj, attention.k_proj, attention.v_proj]), _fused([mlp.gate_proj, mlp.up_proj])
-    o, down, act = attention.o_proj.forward, mlp.down_proj.forward, mlp.act_fn
+    o, down, act = _single(attention.o_proj), _single(mlp.down_proj), mlp.act_fn
     head_dim = attention.head_dim
     half = head_dim // 2
 
@@ -206,14 +207,20 @@ def _swiglu(rows: torch.Tensor) -> torch.Tensor:
 def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """One product for linear layers that read the same input, its output split back into theirs: one kernel
     call instead of several (each costs 10-20 us of dispatch on a CPU, as much as a small product). Float
-    layers without bias (`_concatenated`) and int4 layers that concatenate (`Int4Linear.fuse`) are fused;
+    layers without bias (`_concatenated`, packed where that pays) and int4 layers that concatenate (`Int4Linear.fuse`) are fused;
     any other mix is called one by one."""
     sizes = [module.out_features for module in modules]
     if (whole := _concatenated(modules)) is not None:
-        return lambda x: torch.nn.functional.linear(x, whole).split(sizes, dim=-1)
+        linear = PackedLinear(whole)
+        return lambda x: linear(x).split(sizes, dim=-1)
     if all(type(m) is Int4Linear for m in modules) and (fused := Int4Linear.fuse(modules)) is not None:
         return fused
     return lambda x: [module.forward(x) for module in modules]
+
+
+def _single(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A float linear layer's product (packed where that pays: agent/packed.py), any other its forward."""
+    return PackedLinear.of(module) if type(module) is torch.nn.Linear else module.forward
 
 
 def _concatenated(modules: list[torch.nn.Module]) -> torch.Tensor | None:
@@ -234,7 +241,7 @@ class LeanLlama:
         inner = model.model
         self.embed, self.rotary = inner.embed_tokens.weight, inner.rotary_emb
         head = Q8Head.lossless(model.lm_head) if model.lm_head.weight.device.type == "cpu" and native.q8_fast() else None
-        self.head = (head or model.lm_head).forward  # int8 where that is exact: a quarter of the bytes per token
+        self.head = head.forward if head else _single(model.lm_head)  # int8 where that is exact: a quarter of the bytes
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         silu = model.config.hidden_act == "silu"
         self.layers = [_dot_layer(layer, silu) or _float_layer(layer, silu) or _modules_layer(layer) for layer in inner.layers]

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from agent.packed import PackedLinear
+
 DIM = 384
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PAD_TO = 16  # token lengths are padded to a multiple of this (see Embedder._mean_pooled)
@@ -131,7 +133,9 @@ class _LeanBert:
     """BertModel's forward for mean pooling, its arithmetic in its order: embeddings (word, token type,
     absolute position) and LayerNorm, then per layer query/key/value in one product, SDPA over the
     padding mask, output projection and LayerNorm, GELU MLP and LayerNorm. No pooler (mean pooling never
-    reads it), no hooks. On the 2-core Xeon of the README a turn embeds in 0.73x transformers' time
+    reads it), no hooks. bfloat16 products run on packed weights (agent/packed.py: a turn's embedding 7.0 ->
+    5.5 ms p50 in `palace bench --parts c`; 29 % of 1,000 development messages embed differently, at
+    cosine 0.99997 or more). On the 2-core Xeon of the README a turn embeds in 0.73x transformers' time
     between the model's forwards (9.6 against 13.1 ms p50); the test suite holds both to the same states."""
 
     def __init__(self, model: torch.nn.Module):
@@ -140,10 +144,10 @@ class _LeanBert:
         for layer in model.encoder.layer:
             attention = layer.attention.self
             qkv = [attention.query, attention.key, attention.value]
-            self.layers.append((_Linear(torch.cat([m.weight for m in qkv]), torch.cat([m.bias for m in qkv])),
+            self.layers.append((PackedLinear(torch.cat([m.weight for m in qkv]), torch.cat([m.bias for m in qkv])),
                                 attention.num_attention_heads, attention.scaling,
-                                _Linear.of(layer.attention.output.dense), layer.attention.output.LayerNorm,
-                                _Linear.of(layer.intermediate.dense), _Linear.of(layer.output.dense),
+                                PackedLinear.of(layer.attention.output.dense), layer.attention.output.LayerNorm,
+                                PackedLinear.of(layer.intermediate.dense), PackedLinear.of(layer.output.dense),
                                 layer.output.LayerNorm))
 
     @classmethod
@@ -171,30 +175,6 @@ class _LeanBert:
             hidden = _norm(out(mixed.transpose(1, 2).reshape(size, length, -1)) + hidden, out_norm)
             hidden = _norm(down(F.gelu(up(hidden))) + hidden, mlp_norm)
         return hidden
-
-
-class _Linear:
-    """`F.linear(x, weight, bias)`, with a bfloat16 weight on the CPU packed once into oneDNN's blocked
-    layout: `F.linear` re-lays the weight out on every call, which at a turn's few dozen tokens costs more
-    than the product (a 27-token QKV product: 84 against 31 us on the README's AMX Xeon), and the packed
-    product gives the same numbers. float32 and other devices keep `F.linear`."""
-
-    PACK_ROWS = 32  # oneDNN's hint for the activations' row count: a turn's tokens, padded
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
-        self.weight, self.bias, self.packed = weight, bias, None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS)
-
-    @classmethod
-    def of(cls, module: torch.nn.Linear) -> "_Linear":
-        return cls(module.weight, module.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def _norm(hidden: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:

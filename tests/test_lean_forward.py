@@ -69,6 +69,27 @@ def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(emb
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
+def test_bfloat16_lean_forward_multiplies_through_packed_weights_and_decodes_the_same_tokens(monkeypatch):
+    """bfloat16 on the CPU (what `--dtype auto` picks on AMX or AVX-512 BF16): every product of the lean
+    forward, the output layer's too, reads weights packed once for oneDNN (agent/packed.py), and gives the
+    greedy tokens and, to bfloat16 rounding, the logits of transformers' forward over the same weights."""
+    from agent.model import load_model
+    from agent.packed import packable
+
+    loaded = load_model("embedded", device="cpu", dtype="bfloat16")
+    monkeypatch.setenv("PALACE_LEAN", "1")
+    lean = lean_forward(loaded.model)
+    assert {layer.kind for layer in lean.layers} == {"modules"}
+    assert (lean.head.packed is not None) == packable(loaded.model.lm_head.weight)
+    ids = loaded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
+                           add_special_tokens=False)["input_ids"]
+    want_logits, want_tokens = run(loaded.model, monkeypatch, False, ids, 16)
+    got_logits, got_tokens = run(loaded.model, monkeypatch, True, ids, 16)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits, strict=True):
+        assert (got.float().softmax(-1) - want.float().softmax(-1)).abs().max() < 0.02
+
+
 # The native int4 layout's lean forward folds norms, rotation, SwiGLU and residual adds into its kernels, which
 # quantize activations per group (two int8 levels): a difference of rounding order can move a level by one
 # step (about 1/127^2 of a group's largest value). Both of its paths stay within 0.025 of the float32 model's
