@@ -415,7 +415,8 @@ def run_soak_command(turns: int, model: str, threads: int | None, json_path: str
 def train(
     data: Optional[list[str]] = typer.Argument(None, help="Labelled dialogue files or folders (default: "
                                                "data/dialogues.jsonl, data/topics/ and data/dev/)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Model file (default: data/models/topics.json)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Model file (topics default: data/models/topics.json; "
+                                      "persistence: saved only when given)."),
     test_share: float = typer.Option(0.25, "--test-share", min=0.05, max=0.9, help="Share of dialogues held out."),
     seed: int = typer.Option(0, help="Seed of the held-out split."),
     rounds: int = typer.Option(2, min=0, help="Rounds of training on the classifier's own online states (DAgger)."),

@@ -109,17 +109,19 @@ def score_persistence(marker: PersistenceMarker, dialogues: list[dict]) -> dict:
 
 
 def train_persistence(train: list[str], evaluate: list[str], out: str | None, echo: Callable[[str], None]) -> dict:
-    """Fit the clause model on `train`'s annotations, save it, and print precision and recall on
-    `evaluate`'s, next to the cue rules alone."""
+    """Fit the clause model on `train`'s annotations, print precision and recall on `evaluate`'s next to
+    the cue rules alone, and save it to `out` only: the agent loads a model from `DEFAULT_MODEL` when one
+    is there, and the rules won the comparison (README), so a measurement must not replace them."""
     from classifiers.persistence import DEFAULT_MODEL
 
     clauses, labels = clause_examples(load_dialogues(train))
     if len(set(labels)) < 2:
         raise ValueError("the training dialogues carry no preference or taboo annotations to learn from")
     model = PreferenceModel.fit(clauses, labels)
-    path = Path(out) if out else DEFAULT_MODEL
-    model.save(path)
-    echo(f"clause model: {len(clauses)} cue clauses ({Counter(labels)}) -> {path}")
+    if out:
+        model.save(Path(out))
+    echo(f"clause model: {len(clauses)} cue clauses ({Counter(labels)}) -> "
+         f"{out or f'not saved (--out PATH saves it; the agent reads {DEFAULT_MODEL.name} from its models folder)'}")
     held = load_dialogues(evaluate)
     report = {"model": score_persistence(PersistenceMarker(model), held),
               "rules": score_persistence(PersistenceMarker(None), held)}

@@ -155,3 +155,20 @@ def test_flats_and_lower_case_addresses():
     assert of_type("flat 2, 41 mercer st, brackley nn13 6hd", "address") == ["flat 2, 41 mercer st, brackley nn13 6hd"]
     assert of_type("Correction: it's Flat 14, not Flat 4.", "address") == ["Flat 14"]
     assert of_type("Gate PIN 5174 is too close to my card PIN.", "address") == []
+
+
+def test_training_the_clause_model_saves_it_only_where_told(tmp_path):
+    """`palace train --what persistence` measures the clause model against the rules; without --out it leaves
+    the agent's models folder alone (a model there would replace the rules every agent runs)."""
+    from classifiers.annotations import train_persistence
+    from classifiers.persistence import DEFAULT_MODEL, PreferenceModel
+    from classifiers.train import ROOT
+
+    dev, lines = ROOT / "data" / "dev", []
+    there = DEFAULT_MODEL.exists()
+    report = train_persistence([str(dev)], [str(dev / "dev-01.jsonl")], None, lines.append)
+    assert DEFAULT_MODEL.exists() == there and "not saved" in lines[0]
+    assert set(report) == {"model", "rules"} and report["rules"]["identity"]["gold"] > 0
+    out = tmp_path / "clauses.json"
+    train_persistence([str(dev)], [str(dev / "dev-01.jsonl")], str(out), lines.append)
+    assert PreferenceModel.load(out).predict(["please never phone me"])[0] in ("preference", "taboo", "none")
