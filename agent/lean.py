@@ -207,8 +207,8 @@ def _swiglu(rows: torch.Tensor) -> torch.Tensor:
 def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
     """One product for linear layers that read the same input, its output split back into theirs: one kernel
     call instead of several (each costs 10-20 us of dispatch on a CPU, as much as a small product). Float
-    layers without bias (`_concatenated`, packed where that pays) and int4 layers that concatenate (`Int4Linear.fuse`) are fused;
-    any other mix is called one by one."""
+    layers without bias (`_concatenated`, packed where that pays) and int4 layers that concatenate
+    (`Int4Linear.fuse`) are fused; any other mix is called one by one."""
     sizes = [module.out_features for module in modules]
     if (whole := _concatenated(modules)) is not None:
         linear = PackedLinear(whole)

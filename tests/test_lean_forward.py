@@ -57,14 +57,21 @@ def test_lean_forward_scores_packed_forks_like_transformers(tiny, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def both_paths(loaded, monkeypatch, new: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The logits of transformers' forward and of the lean one over a sentence and `new` greedy tokens, which
+    must be the same tokens."""
+    ids = loaded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
+                           add_special_tokens=False)["input_ids"]
+    want_logits, want_tokens = run(loaded.model, monkeypatch, False, ids, new)
+    got_logits, got_tokens = run(loaded.model, monkeypatch, True, ids, new)
+    assert got_tokens == want_tokens
+    return want_logits, got_logits
+
+
 def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(embedded, monkeypatch):
     monkeypatch.setenv("PALACE_LEAN", "1")
     assert {layer.kind for layer in lean_forward(embedded.model).layers} == {"float"}  # float32: native glue
-    ids = embedded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
-                             add_special_tokens=False)["input_ids"]
-    want_logits, want_tokens = run(embedded.model, monkeypatch, False, ids, 24)
-    got_logits, got_tokens = run(embedded.model, monkeypatch, True, ids, 24)
-    assert got_tokens == want_tokens
+    want_logits, got_logits = both_paths(embedded, monkeypatch, 24)
     for got, want in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
@@ -81,11 +88,7 @@ def test_bfloat16_lean_forward_multiplies_through_packed_weights_and_decodes_the
     lean = lean_forward(loaded.model)
     assert {layer.kind for layer in lean.layers} == {"modules"}
     assert (lean.head.packed is not None) == packable(loaded.model.lm_head.weight)
-    ids = loaded.tokenizer("The parcel was left with the neighbour at number 29, and the driver said",
-                           add_special_tokens=False)["input_ids"]
-    want_logits, want_tokens = run(loaded.model, monkeypatch, False, ids, 16)
-    got_logits, got_tokens = run(loaded.model, monkeypatch, True, ids, 16)
-    assert got_tokens == want_tokens
+    want_logits, got_logits = both_paths(loaded, monkeypatch, 16)
     for got, want in zip(got_logits, want_logits, strict=True):
         assert (got.float().softmax(-1) - want.float().softmax(-1)).abs().max() < 0.02
 
