@@ -40,23 +40,6 @@ class Piece:
 def attention_mass(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Softmax attention mass received by each key, summed over the queries and over the query heads of
     each KV group: shape [kv_heads, kv_len]. GQA-aware: keys are never expanded to query heads."""
-    return _weights(query, key, mask, scaling).sum(dim=(1, 2))
-
-
-def attention_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention output [1, q_len, heads, dim] and `attention_mass` from one softmax: a store that
-    records importance needs the weights anyway, and SDPA would compute them a second time. The weighted
-    sum runs in float32 and is rounded once, to the queries' dtype."""
-    weights = _weights(query, key, mask, scaling)  # [kv_heads, group, q_len, kv_len] float32
-    kv_heads, group, q_len, kv_len = weights.shape
-    out = torch.matmul(weights.view(kv_heads, group * q_len, kv_len), value[0].float())  # head h = kv * group + j
-    output = out.view(kv_heads * group, q_len, -1).transpose(0, 1)[None].to(query.dtype)
-    return output, weights.sum(dim=(1, 2))
-
-
-def _weights(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Softmax attention weights [kv_heads, group, q_len, kv_len] in float32, query heads grouped by KV head."""
     _, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     grouped = query[0].reshape(kv_heads, q_heads // kv_heads * q_len, dim)
@@ -68,7 +51,7 @@ def _weights(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, 
         scores = scores.masked_fill(~mask[0].unsqueeze(0), float("-inf"))
     elif mask is not None:
         scores = scores + mask[0].unsqueeze(0).float()
-    return scores.softmax(dim=-1)
+    return scores.softmax(dim=-1).sum(dim=(1, 2))
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -97,9 +80,7 @@ def attend(query, key, value, mask, scaling, store: "KVStore | None" = None, lay
                 store.add_importance(layer_idx, done[1])
             return done[0]
     if recording:
-        output, mass = attention_with_mass(query, key, value, mask, scale)
-        store.add_importance(layer_idx, mass)
-        return output
+        store.add_importance(layer_idx, attention_mass(query, key, mask, scale))
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1,
                                             scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return output.transpose(1, 2)

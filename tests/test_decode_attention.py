@@ -60,27 +60,3 @@ def test_heads_the_kernel_has_no_dense_code_for_stay_with_sdpa(monkeypatch):
         want = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(attend(query, keys, values, None, None), want, rtol=1e-5, atol=1e-5)
     assert calls == ([64] if native.attend_fast() else [])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("queries,tokens,masked", [(7, 200, "cache"), (40, 40, "fresh"), (5, 90, "choices")])
-def test_recorded_attention_is_sdpas_output_with_the_mass_from_one_softmax(dtype, queries, tokens, masked):
-    """A recording store's attention (`attention_with_mass`): SDPA's output (float32 to float rounding, bfloat16
-    within a step of its own) and `attention_mass`, for queries after a cache, a fresh causal run and a bool mask
-    (several choices side by side), over GQA heads."""
-    from cache.attention import attention_with_mass, causal_mask
-
-    g = torch.Generator().manual_seed(queries + tokens)
-    query = torch.randn(1, 9, queries, 64, generator=g).to(dtype)
-    keys, values = (torch.randn(1, 3, tokens, 64, generator=g).to(dtype) for _ in range(2))
-    mask = {"cache": causal_mask(queries, tokens), "fresh": None,
-            "choices": causal_mask(queries, tokens) & (torch.rand(1, 1, queries, tokens, generator=g) > 0.3)}[masked]
-    if mask is not None:
-        mask[..., 0] = True  # every query sees something
-    out, mass = attention_with_mass(query, keys, values, mask, 0.125)
-    want = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None, scale=0.125,
-                                          enable_gqa=True).transpose(1, 2)
-    assert out.dtype == dtype and out.shape == want.shape
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
-    torch.testing.assert_close(out, want, **tolerance)
-    torch.testing.assert_close(mass, attention_mass(query, keys, mask, 0.125), rtol=0, atol=0)
