@@ -225,7 +225,8 @@ def _single(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _concatenated(modules: list[torch.nn.Module]) -> torch.Tensor | None:
     """The weights of float linear layers without bias as one tensor, each module's own weight becoming a view
-    into it (nothing held twice; transformers' forward reads the same numbers); None for any other mix."""
+    into it (held once; transformers' forward reads the same numbers; `_fused` may add a packed copy, agent/packed.py);
+    None for any other mix."""
     if not all(type(m) is torch.nn.Linear and m.bias is None for m in modules):
         return None
     whole = torch.cat([m.weight.detach() for m in modules])
