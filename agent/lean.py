@@ -63,7 +63,7 @@ class _Layer:
     keys and values in one product, queries and keys rotated ([1, heads, n, head_dim] each). `after`: the
     attention output's projection added to the stream, then the MLP of the normed stream added to it."""
 
-    kind: str  # "dot" (native int4 kernels), "float" (float32 products, native glue) or "modules" (their own ops)
+    kind: str  # "dot" (native int4 kernels), "float" / "bf16" (torch's products, native glue) or "modules" (their own ops)
     attention: torch.nn.Module  # for its layer_idx and scaling, which the palace attention reads
     before: Callable[[torch.Tensor, _Rotation], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (attention output, stream) -> stream
@@ -174,6 +174,36 @@ def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     return _Layer("float", attention, before, functools.partial(_float_after, o_t=o_t, norm=norm_post, gate_up=gate_up, down_t=down_t))
 
 
+def _bf16_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
+    """The layer with bfloat16 weights on a CPU with the native kernels: the products on packed weights
+    (agent/packed.py), the glue around them in C (agent/bf16_glue.c: each RMS norm, the rotation of queries
+    and keys in place, SwiGLU, one pass over the rows each instead of five to eight torch ops, with torch's
+    roundings). None where the weights and norms are not all bfloat16 without bias on the CPU under a SiLU MLP."""
+    attention, linears = layer.self_attn, _linears(layer)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    weights = [m.weight for m in linears if type(m) is torch.nn.Linear] + list(norms)
+    if (not silu or len(weights) < len(linears) + 2 or any(m.bias is not None for m in linears)
+            or any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights) or not native.available(*weights)):
+        return None
+    norm_in = (norms[0].detach(), layer.input_layernorm.variance_epsilon)
+    norm_post = (norms[1].detach(), layer.post_attention_layernorm.variance_epsilon)
+    qkv, gate_up = PackedLinear(_concatenated(linears[:3])), PackedLinear(_concatenated(linears[4:6]))
+    o, down = PackedLinear.of(linears[3]), PackedLinear.of(linears[6])
+    sizes, head_dim = [m.out_features for m in linears[:3]], attention.head_dim
+
+    def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = qkv(native.bf16_rms_norm(stream.reshape(-1, stream.shape[-1]), *norm_in))
+        native.bf16_rotate(out, *turn.rows, sizes[0] + sizes[1], head_dim)
+        return _heads(out.view(*stream.shape[:-1], -1).split(sizes, dim=-1), head_dim)
+
+    def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        stream = stream + o(out)
+        gated = gate_up(native.bf16_rms_norm(stream.reshape(-1, stream.shape[-1]), *norm_post))
+        return stream + down(native.bf16_swiglu(gated)).view_as(stream)
+
+    return _Layer("bf16", attention, before, after)
+
+
 def _float_before(stream: torch.Tensor, turn: _Rotation, qkv: torch.Tensor, norm: tuple[torch.Tensor, float],
                   sizes: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float32 layer's norm, queries, keys and values in one product, queries and keys rotated in place."""
@@ -245,7 +275,8 @@ class LeanLlama:
         self.head = head.forward if head else _single(model.lm_head)  # int8 where that is exact: a quarter of the bytes
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         silu = model.config.hidden_act == "silu"
-        self.layers = [_dot_layer(layer, silu) or _float_layer(layer, silu) or _modules_layer(layer) for layer in inner.layers]
+        self.layers = [_dot_layer(layer, silu) or _float_layer(layer, silu) or _bf16_layer(layer, silu) or _modules_layer(layer)
+                       for layer in inner.layers]
         self.stepping = all(layer.step is not None for layer in self.layers)
 
     @torch.inference_mode()

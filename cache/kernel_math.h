@@ -55,6 +55,20 @@ static inline vfloat vfrom_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm2
 static inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
 static inline vfloat vscale2(vfloat p, vfloat n) { return _mm512_scalef_ps(p, n); } /* p * 2^n */
 #define EXP_FLOOR -103.0f /* scalef goes through the subnormals */
+/* bfloat16 <-> float: a bfloat16 is a float's upper half. vround_bf16 rounds to the nearest bfloat16 (even on
+ * ties, NaN to 0x7FC0: torch's rounding) and keeps it as a float; vstore_bf16 stores such values' upper halves. */
+static inline vfloat vfrom_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vfloat vround_bf16(vfloat v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32((int)0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+}
+static inline void vstore_bf16(uint16_t *p, vfloat rounded) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PALACE_VECTOR 1
 #define VLEN 8
@@ -84,7 +98,40 @@ static inline vfloat vscale2(vfloat p, vfloat n) { /* p * 2^n, n in [-126, 127]:
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
 }
 #define EXP_FLOOR -87.0f /* keeps 2^n normal */
+static inline vfloat vfrom_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vfloat vround_bf16(vfloat v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32((int)0xFFFF0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+static inline void vstore_bf16(uint16_t *p, vfloat rounded) {
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+}
 #endif
+
+/* bfloat16 <-> float one at a time (round_bf16 as vround_bf16; a float so rounded is stored by its upper half) */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline uint16_t bf16_bits(float rounded) {
+    uint32_t bits;
+    memcpy(&bits, &rounded, 4);
+    return (uint16_t)(bits >> 16);
+}
 
 #ifdef PALACE_VECTOR
 static inline vfloat vzero(void) { return vset1(0.0f); }

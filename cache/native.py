@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from cache.quant import QuantRows
 
 SOURCES = (*(Path(__file__).with_name(name) for name in ("quant_kernels.c", "compact_kernels.c", "attention_kernels.c")),
-           Path(__file__).resolve().parent.parent / "agent" / "weight_kernels.c")
+           *(Path(__file__).resolve().parent.parent / "agent" / name for name in ("weight_kernels.c", "bf16_glue.c")))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("kernel_math.h", "attention_kernels.h"))  # part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels name it
@@ -50,7 +50,10 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "prepare_rows": [_p, _i, _i, _i, _p, _f, _p, _i],
               "rotate_rows": [_p, _i, _i, _i, _i, _p, _p, _i],
               "q4_decode_layer": [_p, _p, _p, _p, _p, _p, _i64, _i, _f, _p, _p, _i],
-              "q4_dense": [_p, _p, _i, _i, _p, _i]}
+              "q4_dense": [_p, _p, _i, _i, _p, _i],
+              "bf16_rms_norm": [_p, _i, _i, _p, _f, _p, _i],
+              "bf16_swiglu": [_p, _i, _i, _p, _i],
+              "bf16_rotate": [_p, _i, _i, _i, _i, _p, _p, _i]}
 
 
 def _cpu_id() -> str:
@@ -300,6 +303,36 @@ def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: 
     if not x.is_contiguous() or x.dtype != torch.float32:
         raise ValueError("rotate_rows needs a contiguous float32 tensor")
     library().rotate_rows(x.data_ptr(), x.shape[0], x.shape[1], rotated, head_dim, _dense(cos).data_ptr(),
+                          _dense(sin).data_ptr(), torch.get_num_threads())
+
+
+def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.dim() != 2:
+        raise ValueError(f"the bfloat16 glue reads contiguous [rows, k] bfloat16 tensors, not {x.dtype} {tuple(x.shape)}")
+    return x
+
+
+def bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm of x [rows, k] bfloat16 with its bfloat16 weight [k], in one pass (agent/bf16_glue.c)."""
+    x, weight = _bf16_rows(x), _bf16_rows(weight.reshape(1, -1))
+    out = torch.empty_like(x)
+    library().bf16_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def bf16_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [rows, 2k] bfloat16 (gate first) -> [rows, k], in one pass."""
+    x = _bf16_rows(x)
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    library().bf16_swiglu(x.data_ptr(), x.shape[0], out.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def bf16_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int, head_dim: int) -> None:
+    """In place: the first `rotated` columns of x [rows, n] bfloat16 turned head by head, cos and sin [rows,
+    head_dim] (bfloat16 values, read as float32), as the module path rotates queries and keys."""
+    x = _bf16_rows(x)
+    library().bf16_rotate(x.data_ptr(), x.shape[0], x.shape[1], rotated, head_dim, _dense(cos).data_ptr(),
                           _dense(sin).data_ptr(), torch.get_num_threads())
 
 

@@ -147,6 +147,47 @@ def test_compaction_in_place_equals_torch_gather_and_rotation(monkeypatch, kv_dt
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
 
 
+def bf16_glue_inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A stream with a few outlier columns (this model's activations reach the thousands), its norm's weight,
+    a gate-and-up product, and queries, keys and values with the rotary angles of `rows` positions."""
+    generator = torch.Generator().manual_seed(seed)
+    stream = torch.randn(rows, 576, generator=generator) * torch.rand(576, generator=generator) * 4
+    stream[:, [7, 300]] *= 400
+    angles = torch.arange(rows)[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))[None]
+    turn = torch.cat([angles, angles], dim=-1)
+    return (stream.bfloat16(), torch.randn(576, generator=generator).bfloat16(),
+            (torch.randn(rows, 2 * 1536, generator=generator) * 3).bfloat16(),
+            torch.randn(rows, 15 * 64, generator=generator).bfloat16(), turn.cos().bfloat16(), turn.sin().bfloat16())
+
+
+def module_glue(stream, weight, gate_up, qkv, cos, sin) -> list[torch.Tensor]:
+    """The same glue as the module path computes it (agent/lean.py's torch ops, transformers' order)."""
+    from agent.lean import _rms_norm
+
+    gate, up = gate_up.chunk(2, dim=-1)
+    heads = qkv[:, : 12 * 64].reshape(-1, 12, 64)
+    signed = torch.cat([-sin[:, :32], sin[:, 32:]], dim=-1)[:, None]
+    turned = heads * cos[:, None] + heads.roll(32, dims=-1) * signed
+    return [_rms_norm(stream, weight, 1e-5), torch.nn.functional.silu(gate) * up,
+            torch.cat([turned.reshape(len(qkv), -1), qkv[:, 12 * 64:]], dim=-1)]
+
+
+def native_glue(stream, weight, gate_up, qkv, cos, sin) -> list[torch.Tensor]:
+    rotated = qkv.clone()
+    native.bf16_rotate(rotated, cos.float(), sin.float(), 12 * 64, 64)
+    return [native.bf16_rms_norm(stream, weight, 1e-5), native.bf16_swiglu(gate_up), rotated]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_bfloat16_glue_equals_the_module_ops_bit_for_bit(rows):
+    """The bfloat16 RMS norm (its mean summed in aten's order), SwiGLU and rotation of queries and keys
+    (agent/bf16_glue.c), which the lean forward runs where the module path ran torch's ops, give the same
+    bits: the eval's probes do not move by a margin when the kernels take over."""
+    inputs = bf16_glue_inputs(rows, seed=rows)
+    for got, want in zip(native_glue(*inputs), module_glue(*inputs), strict=True):
+        assert torch.equal(got, want)
+
+
 # Each instruction set the kernels have code for, built on this (x86) machine by turning the wider ones off:
 # CI's CPU runs one of them natively, the others here. (name, compiler flags, integer dots, vector code)
 INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-avx512f", "-mno-avx2"], False, False)]
@@ -155,7 +196,8 @@ INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-av
 @pytest.mark.parametrize("name,flags,dots,vector", INSTRUCTION_SETS, ids=[s[0] for s in INSTRUCTION_SETS])
 def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, name, flags, dots, vector):
     """The weight and attention kernels built for AVX2 (no AVX-512) and for no vector unit at all: each
-    reports what it runs fast, and its int4, int8, SwiGLU and one-token attention results match float math."""
+    reports what it runs fast, and its int4, int8, SwiGLU and one-token attention results match float math,
+    and its bfloat16 glue torch's ops."""
     import torch.nn.functional as F
 
     from tests.test_decode_attention import layer_views
@@ -188,5 +230,8 @@ def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, na
         out, _ = native.attend_one(query, keys, values, 0.125, want_mass=True)
         want = F.scaled_dot_product_attention(query, keys, values, scale=0.125, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        inputs = bf16_glue_inputs(40, seed=6)
+        for got, want in zip(native_glue(*inputs), module_glue(*inputs), strict=True):
+            assert torch.equal(got, want)
     finally:
         native.library.cache_clear()

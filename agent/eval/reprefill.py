@@ -1,21 +1,22 @@
 """The naive baseline the cache policies are measured against: no KV reuse at all.
 
 Whenever it must answer, it re-encodes the whole chat-template history (up to and including the user's
-message and the assistant header) with a fresh transformers `DynamicCache`, so its time to first token
-grows with the dialogue and a dialogue costs quadratic work. Between answers it holds no cache."""
+message and the assistant header) into a fresh store that evicts nothing, through the engine's forward
+as every policy is, so its time to first token grows with the dialogue and a dialogue costs quadratic
+work. Between answers it holds no cache."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
 
-import torch
-from transformers import DynamicCache
-
 from agent.chat_format import ChatFormat
-from agent.engine import Feed, greedy
+from agent.engine import Feed, SamplingConfig, decode, prefill
 from agent.model import LoadedModel
-from agent.scoring import ChoiceBatch
+from agent.scoring import score_together
+from cache.policies import PolicyConfig, make_policy
+from cache.storage import StorageConfig
+from cache.store import KVStore
 
 
 class Reprefill:
@@ -25,33 +26,26 @@ class Reprefill:
         self.loaded = loaded
         self.format = ChatFormat.from_tokenizer(loaded.tokenizer)
         self.bytes_per_token = loaded.kv_bytes_per_token()
+        self.storage = StorageConfig(str(loaded.dtype).removeprefix("torch."))
 
     def start(self, system: str | None) -> None:
         self.ids: list[int] = []
         self.per_turn: Counter[int] = Counter()
         self.turn = 0
-        self.cache: DynamicCache | None = None
-        self.last_logits: torch.Tensor | None = None
+        self.store: KVStore | None = None
         self._append(self.format.system_prompt(system), -1)
 
     def _append(self, ids: list[int], turn: int) -> None:
         self.ids += ids
         self.per_turn[turn] += len(ids)
 
-    @torch.inference_mode()
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed `ids` over the current cache; the last position's logits."""
-        out = self.loaded.model(input_ids=torch.tensor([ids], device=self.loaded.device), cache=self.cache,
-                                use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float()
-
     def user_turn(self, text: str) -> float:
-        """Append the user's message and re-encode everything, as the naive way must to answer.
-        Returns the time to the first token's logits in ms."""
+        """Append the user's message and re-encode everything into a fresh store, as the naive way must to
+        answer. Returns the time to the first token's logits in ms."""
         self._append(self.format.user_message(text), self.turn)
         started = time.perf_counter()
-        self.cache = DynamicCache(config=self.loaded.config)
-        self.last_logits = self._forward(self.ids)
+        self.store = KVStore.for_model(self.loaded.model, make_policy("full", PolicyConfig()), self.storage)
+        prefill(self.loaded.model, self.store, self.ids, self.turn, "user", 0)
         return (time.perf_counter() - started) * 1000
 
     def scripted_turn(self, text: str, reply: str | None) -> list[Feed]:
@@ -66,52 +60,29 @@ class Reprefill:
         return None
 
     def scoring_store(self) -> None:
-        """Scored alone, over its transient DynamicCache."""
+        """Scored alone: its long history would slow the packed forward the cached policies share."""
         return None
 
     def score(self, choices: list[str]) -> list[float]:
-        """Total log-probability of each choice after this turn's history, all choices in one forward
-        over the history's keys (agent/scoring.py), then cropped back."""
-        batch = ChoiceBatch.build(self.format, choices)
-        logits = None
-        if batch.ids:
-            device, start = self.loaded.device, len(self.ids)
-            with torch.inference_mode():
-                out = self.loaded.model(input_ids=torch.tensor([batch.ids], device=device),
-                                        position_ids=batch.positions(start).to(device),
-                                        attention_mask=batch.mask(start).to(device), cache=self.cache,
-                                        use_cache=True)
-            logits = out.logits[0]
-            self._crop()
-        return batch.totals(self.last_logits, logits)
+        """Total log-probability of each choice after this turn's history, all choices in one forward over
+        the re-encoded store, rolled back (agent/scoring.py)."""
+        return score_together(self.loaded.model, self.format, [self.store], choices)[0]
 
     def draft(self, max_new_tokens: int) -> tuple[list[int], float]:
-        """Greedy reply from this turn's encode, cropped back; returns the ids and seconds spent."""
+        """Greedy reply from this turn's encode, rolled back; returns the ids and seconds spent."""
         started = time.perf_counter()
-        logits, ids = self.last_logits, []
-        for _ in range(max_new_tokens):
-            token = greedy(logits)
-            if token in self.format.end_of_turn:
-                break
-            ids.append(token)
-            logits = self._forward([token])
-        elapsed = time.perf_counter() - started
-        self._crop()
-        return ids, elapsed
-
-    def _crop(self) -> None:
-        """Drop what was fed beyond the history (transformers crops by a negative count of tokens)."""
-        extra = self.cache.get_seq_length() - len(self.ids)
-        if extra:
-            self.cache.crop(-extra)
+        with self.store.fork():
+            ids = list(decode(self.loaded.model, self.store, self.format.end_of_turn,
+                              SamplingConfig(max_new_tokens=max_new_tokens), self.turn, 0))
+        return ids, time.perf_counter() - started
 
     def reply(self, text: str | None) -> list[Feed]:
-        """Append the scripted reply (if any) and the next user header; drop the transient cache.
-        Nothing to feed: the history is only encoded when an answer is needed."""
+        """Append the scripted reply (if any) and the next user header; drop the store. Nothing to feed:
+        the history is only encoded when an answer is needed."""
         reply = self.format.assistant_reply(text) if text is not None else []
         self._append(reply + self.format.next_user_header(), self.turn)
         self.turn += 1
-        self.cache = None
+        self.store = None
         return []
 
     def resident(self) -> Counter[int]:
@@ -122,5 +93,5 @@ class Reprefill:
         return len(self.ids)
 
     def kv_bytes(self) -> int:
-        """The transient cache a re-encode of the history builds (held only while answering)."""
+        """The store a re-encode of the history builds (held only while answering)."""
         return len(self.ids) * self.bytes_per_token
