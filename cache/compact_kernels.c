@@ -63,3 +63,19 @@ void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int 
         }
     }
 }
+
+/* Gather rows of several sources into one buffer: out holds `rows` (layers x heads) rows of n tokens of
+ * `row_bytes` each; token j comes from source part[j] (whose buffer holds rows of lengths[part[j]] tokens),
+ * token index[j]. One copy of every token, however scattered the sources (a recall's spans interleave). */
+void gather_tokens(char *out, const int64_t *sources, const int64_t *lengths, int rows, int64_t row_bytes,
+                   const int64_t *part, const int64_t *index, int n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < rows; r++) {
+        char *to = out + (size_t)r * n * row_bytes;
+        for (int j = 0; j < n; j++) {
+            const int64_t p = part[j];
+            const char *from = (const char *)(intptr_t)sources[p] + ((size_t)r * lengths[p] + index[j]) * row_bytes;
+            memcpy(to + (size_t)j * row_bytes, from, row_bytes);
+        }
+    }
+}

@@ -43,6 +43,7 @@ _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
               "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
+              "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
@@ -181,6 +182,22 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
                            COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
                            sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+
+
+def gather_tokens(sources: list[torch.Tensor], part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[a, b, n, d] from contiguous sources [a, b, n_p, d] of one dtype: token j is sources[part[j]]'s token
+    index[j]; each token copied once (torch would join the sources first, then gather: twice)."""
+    first = sources[0]
+    out = first.new_empty((*first.shape[:2], part.numel(), first.shape[3]))
+    if not part.numel():
+        return out
+    pointers = torch.tensor([source.data_ptr() for source in sources], dtype=torch.int64)
+    lengths = torch.tensor([source.shape[2] for source in sources], dtype=torch.int64)
+    part, index = part.to(torch.int64).contiguous(), index.to(torch.int64).contiguous()
+    library().gather_tokens(out.data_ptr(), pointers.data_ptr(), lengths.data_ptr(), first.shape[0] * first.shape[1],
+                            first.shape[3] * first.element_size(), part.data_ptr(), index.data_ptr(), part.numel(),
+                            torch.get_num_threads())
+    return out
 
 
 def q8_fast() -> bool:

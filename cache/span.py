@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cache import native
 from cache.meta import TokenMeta
 
 
@@ -53,6 +54,26 @@ class KVSpan:
             return spans[0]
         meta = spans[0].meta.cat(*(span.meta for span in spans[1:]))
         return cls(meta, torch.cat([span.keys for span in spans], dim=2), torch.cat([span.values for span in spans], dim=2))
+
+    @classmethod
+    def in_serial_order(cls, spans: list["KVSpan"]) -> "KVSpan":
+        """One span of these spans' tokens sorted by serial (spans evicted at different times interleave: the
+        hybrid evicts a message in pieces, runs of 4-5 tokens in a recall). On the CPU each token is copied
+        once, straight to its place (cache/native.py: gather_tokens); elsewhere the spans are joined, then
+        gathered."""
+        meta = spans[0].meta.cat(*(span.meta for span in spans[1:]))
+        order = torch.argsort(meta.serial)
+        if len(spans) == 1 and bool((order == torch.arange(len(order))).all()):
+            return spans[0]
+        tensors = [(span.keys, span.values) for span in spans]
+        if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == tensors[0][0].dtype and v.dtype == tensors[0][1].dtype
+                   for k, v in tensors) or not native.available(*(t for pair in tensors for t in pair)):
+            return cls.cat(spans).select(order)
+        part = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([len(span) for span in spans]))
+        index = torch.cat([torch.arange(len(span)) for span in spans])
+        part, index = part[order], index[order]
+        return cls(meta.select(order), native.gather_tokens([k for k, _ in tensors], part, index),
+                   native.gather_tokens([v for _, v in tensors], part, index))
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSpan":
         """The same span with its KV on `device` in `dtype` (each None: unchanged); metadata stays on the CPU."""

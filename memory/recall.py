@@ -274,12 +274,10 @@ class LongTermMemory:
 
     def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
         """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
-        each in the order it was said): the segments' own tensors (read without a copy) joined, then the
-        missing tokens picked, a new tensor the splice may re-rotate; all recalled turns at once, so the
-        splice gets one span to place and copies nothing more."""
-        span = KVSpan.cat([self.archive.get(segment_id, copy=False).to_span() for segment_id, _ in missing])
-        index = torch.nonzero(torch.cat([mask for _, mask in missing])).flatten()
-        return span.select(index[torch.argsort(span.serials[index])])
+        each in the order it was said), each token copied once into the span (a lone segment in order is
+        handed over uncopied: the splice reads a span and writes the store, never the span)."""
+        read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
+        return KVSpan.in_serial_order([span if bool(mask.all()) else span.select(mask) for span, mask in read])
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),
