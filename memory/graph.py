@@ -804,7 +804,7 @@ def _lead_nouns(text: str, start: int) -> list[str]:
     return out
 
 
-_LEAD = re.compile(r"((?:[A-Za-z][\w'-]*[ \t]+){0,3})(?:(?:is|was|number|no\.?|:)[ \t]*)?$", re.I)
+_LEAD = re.compile(r"((?:[A-Za-z][\w'-]*[ \t]+){0,3}?)(?:(?:is|was|number|no\.?|:)[ \t]*)?$", re.I)
 
 
 def _relation_word(span: str) -> str:

@@ -145,6 +145,15 @@ def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
     assert len(resolved) == 2
 
 
+def test_the_warranty_is_the_code_given_as_its_number_after_a_comma():
+    """"Calder Street, warranty number WTY-55203": the nouns before a code reach back past "number" (a greedy
+    match once took "warranty number" as the nouns and stopped at "number"), so "the warranty" is the code."""
+    graph = rules_graph((0, "The boiler's broken again.", "I've found a Brightwater warranty for a Thermara Combi 30 at "
+                         "19 Calder Street, warranty number WTY-55203. It runs until 30 September 2026."),
+                        (1, "OK.", "Anything else?"))
+    assert resolved_in(graph, 2, "Does the warranty cover the repair?")["the warranty"] == ("WTY-55203", 0)
+
+
 def test_dad_is_the_person_introduced_as_my_father_and_a_relation_is_never_a_date():
     graph = rules_graph((0, "I'm writing on behalf of my father, Desmond Mercer.", "Thank you. I've found Desmond's record."),
                         (1, "Scrap Tuesdays. He's got physio on Mondays, my wife just reminded me.", "Noted."))
