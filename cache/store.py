@@ -393,10 +393,14 @@ class KVStore(Cache):
         evicted = evicted[torch.argsort(group, stable=True)]  # grouped by message, cache order within
         sizes = torch.bincount(group).tolist()
         kv = [layer.storage.fetch() for layer in self.layers]
-        # gathered along the [1, heads, tokens, dim] views themselves: a gather from a 3-d slice of one copies
-        # the whole layer first
-        keys = torch.cat([k.index_select(2, evicted.to(k.device)) for k, _ in kv]).split(sizes, dim=2)
-        values = torch.cat([v.index_select(2, evicted.to(v.device)) for _, v in kv]).split(sizes, dim=2)
+        # gathered along the [1, heads, tokens, dim] views themselves (a gather from a 3-d slice of one copies
+        # the whole layer first), each layer straight into its slice of the spans' one tensor
+        keys, values = (torch.empty((len(kv), *kv[0][side].shape[1:2], len(evicted), kv[0][side].shape[3]),
+                                    dtype=kv[0][side].dtype, device=kv[0][side].device) for side in (0, 1))
+        for i, (k, v) in enumerate(kv):
+            torch.index_select(k, 2, evicted.to(k.device), out=keys[i : i + 1])
+            torch.index_select(v, 2, evicted.to(v.device), out=values[i : i + 1])
+        keys, values = keys.split(sizes, dim=2), values.split(sizes, dim=2)
         firsts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
         return [KVSpan(self.meta.select(evicted[a:a + size]), keys[i], values[i])
                 for i, (a, size) in enumerate(zip(firsts, sizes))]
