@@ -395,11 +395,11 @@ class KVStore(Cache):
         kv = [layer.storage.fetch() for layer in self.layers]
         # gathered along the [1, heads, tokens, dim] views themselves (a gather from a 3-d slice of one copies
         # the whole layer first), each layer straight into its slice of the spans' one tensor
-        keys, values = (torch.empty((len(kv), *kv[0][side].shape[1:2], len(evicted), kv[0][side].shape[3]),
-                                    dtype=kv[0][side].dtype, device=kv[0][side].device) for side in (0, 1))
+        keys, values = (first.new_empty((len(kv), first.shape[1], len(evicted), first.shape[3])) for first in kv[0])
+        index = evicted.to(keys.device)
         for i, (k, v) in enumerate(kv):
-            torch.index_select(k, 2, evicted.to(k.device), out=keys[i : i + 1])
-            torch.index_select(v, 2, evicted.to(v.device), out=values[i : i + 1])
+            torch.index_select(k, 2, index, out=keys[i : i + 1])
+            torch.index_select(v, 2, index, out=values[i : i + 1])
         keys, values = keys.split(sizes, dim=2), values.split(sizes, dim=2)
         firsts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
         return [KVSpan(self.meta.select(evicted[a:a + size]), keys[i], values[i])
