@@ -282,7 +282,8 @@ def eval_(
                                help="Comma-separated: full, window, sink, h2o, hybrid, reprefill; "
                                "window+memory, sink+memory, h2o+memory, hybrid+memory add long-term memory "
                                "(+memory-text: recalled turns re-prefilled as text, the baseline; +graph, +notes, "
-                               "+palace: the memory palace's parts; hybrid+topics: no memory, whole topic segments evicted)."),
+                               "+palace: the memory palace's parts; +palace-forget: the palace, and what corrections superseded leaves the "
+                               "cache; hybrid+topics: no memory, whole topic segments evicted)."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Dtype the KV cache is stored in (auto: the model's)."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),

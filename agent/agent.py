@@ -27,6 +27,7 @@ from agent.engine import Feed, SamplingConfig, decode, prefill_packed
 from agent.model import EMBEDDED, LoadedModel, load_model
 from agent.scoring import score_together
 from agent.session import new_conversation_id
+from cache.meta import TokenMeta
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
@@ -67,6 +68,8 @@ class AgentConfig:
     topics: bool = False  # classify each turn's topic (classifiers/topics.py); segments become topics
     memory: MemoryConfig | None = None  # archive evicted KV and recall it (memory/recall.py); None: off
     graph: bool = False  # entity graph: facts, corrections, references resolved (memory/graph.py)
+    forget_stale: bool = False  # with the graph: the cache drops what corrections superseded, recall leaves it out
+    # (off: it gains superseded-tagged probes and is level overall, within the noise of a few tokens less; README)
     profile: ProfileConfig | None = None  # notes in the permanent tier: profile and running summary; None: off
 
 
@@ -123,6 +126,7 @@ class Agent:
         self.session_dir: Path | None = None  # where save() with no directory writes (the last save or load)
         self.session_lock = None  # the lock on session_dir (agent/session.py)
         self._count_tokens = functools.lru_cache(maxsize=4096)(lambda text: len(self.format.words(text)))  # notes' pieces
+        self._words = functools.lru_cache(maxsize=1024)(lambda text: tuple(self.format.words(text)))  # pins, stale values
         if self.config.profile is not None and not self.config.graph:
             raise ValueError("the profile is built from the entity graph: turn the graph on too")
         if self.config.topics or self.config.memory is not None or self.config.profile is not None:
@@ -312,7 +316,8 @@ class Agent:
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
                 summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
         turn.recalled = self.memory.recall(turn.index, turn.embedding, names_in(turn.text), returns_to,
-                                           referents, summarised)
+                                           referents, summarised,
+                                           forget=self._stale if self._forgets else None)
 
     @one_thread
     def prefill(self, turn: Turn) -> None:
@@ -357,7 +362,15 @@ class Agent:
 
     @one_thread
     def settle(self) -> None:
-        """Archive what the turn's feeds evicted (callers that feed themselves call this after)."""
+        """After a turn's feeds (callers that feed themselves call this after): drop the live tokens of
+        values a correction superseded (pins and the notes excepted), then archive what was evicted."""
+        if self._forgets:
+            started = time.perf_counter()
+            meta = self.store.meta
+            stale = self._stale(meta) & ~meta.pinned & (meta.turn != NOTES_TURN)
+            if bool(stale.any()):
+                self.store.make_room(0, drop=stale)
+            self._charge("graph_reply", started)
         if self.memory is not None:
             self.memory.settle()
 
@@ -436,9 +449,24 @@ class Agent:
         """Release the pins on `text`, or all pins."""
         self.store.pin(slice(None) if text is None else self._occurrences(text), pinned=False)
 
-    def _occurrences(self, text: str) -> torch.Tensor:
-        """Cached token indices of `text`, however it was tokenized (start of a line or after a space)."""
-        return torch.cat([self.store.find(self.format.words(form)) for form in (text, " " + text)]).unique()
+    def _occurrences(self, text: str, meta: TokenMeta | None = None) -> torch.Tensor:
+        """Token indices of `text` in the cache (or in `meta`), however it was tokenized (start of a line
+        or after a space)."""
+        meta = self.store.meta if meta is None else meta
+        return torch.cat([meta.find(self._words(form)) for form in (text, " " + text)]).unique()
+
+    def _stale(self, meta: TokenMeta) -> torch.Tensor:
+        """Which rows of `meta` hold a piece of a value a correction superseded (`EntityGraph.stale`), as a
+        bool per row: what the cache drops and recall leaves out, so the model reads the current value
+        only (the old one stays in the graph and the archive, Graphiti-style: invalidated, not deleted)."""
+        stale = torch.zeros(len(meta), dtype=torch.bool)
+        for piece in self.graph.stale() if self._forgets else []:
+            stale[self._occurrences(piece, meta)] = True
+        return stale
+
+    @property
+    def _forgets(self) -> bool:
+        return self.graph is not None and self.config.forget_stale
 
     # --- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:

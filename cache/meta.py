@@ -59,6 +59,14 @@ class TokenMeta:
     def select(self, index: torch.Tensor | slice) -> "TokenMeta":
         return TokenMeta(*(getattr(self, f.name)[index] for f in fields(self)))
 
+    def find(self, ids: list[int]) -> torch.Tensor:
+        """Indices of every occurrence of the token sequence `ids`."""
+        width = len(ids)
+        if not width or self.token.numel() < width:
+            return torch.zeros(0, dtype=torch.long)
+        starts = torch.nonzero((self.token.unfold(0, width, 1) == torch.tensor(ids)).all(dim=1)).flatten()
+        return (starts[:, None] + torch.arange(width)).flatten()
+
     @torch.inference_mode(False)
     def clone(self) -> "TokenMeta":
         return TokenMeta(*(getattr(self, f.name).clone() for f in fields(self)))

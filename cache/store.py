@@ -415,14 +415,6 @@ class KVStore(Cache):
     def pin(self, index: torch.Tensor, pinned: bool = True) -> None:
         self.meta.pinned[index] = pinned
 
-    def find(self, ids: list[int]) -> torch.Tensor:
-        """Indices of every cached occurrence of the token sequence `ids`."""
-        tokens, width = self.meta.token, len(ids)
-        if not width or tokens.numel() < width:
-            return torch.zeros(0, dtype=torch.long)
-        starts = torch.nonzero((tokens.unfold(0, width, 1) == torch.tensor(ids)).all(dim=1)).flatten()
-        return (starts[:, None] + torch.arange(width)).flatten()
-
     def memory_bytes(self) -> int:
         """Every byte the layers hold: each storage's tensors (capacity, scales, zero points, residual
         window), and what layers share counted once: a block pool, free blocks and all, and quantized

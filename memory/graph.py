@@ -17,6 +17,7 @@ points to: a networkx graph, built by rules (no parser model is available offlin
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from dataclasses import asdict, dataclass, field
@@ -158,8 +159,8 @@ SWITCH = re.compile(  # the user's own value changed: a new one replaces the old
     r"i meant|should (?:be|have said))\b", re.I)
 _NOT_VALUE = re.compile(r"\bnot\s+([^,.;!?]+)", re.I)
 _PIECE = r"[\w£$.-]*\d[\w£$.-]*"  # a piece of a value has a digit: "2QF", "14", "£40"
-_PIECE_FOR_PIECE = re.compile(  # "2QF, not 2QE"; "Flat 14, not Flat 4" (the shared word kept)
-    rf"(?:\b(?P<word>[A-Za-z]+)\s+)?(?P<new>\b(?:{_PIECE}))\b,?\s+(?i:not)\s+(?:(?i:(?P=word))\s+)?(?P<old>{_PIECE})\b"
+_PIECE_FOR_PIECE = re.compile(  # "2QF, not 2QE"; "Flat 14, not Flat 4", "BR4 7TW, not BR4 7TN" (the shared word kept)
+    rf"(?:\b(?P<word>[A-Za-z][A-Za-z0-9]*)\s+)?(?P<new>\b(?:{_PIECE}))\b,?\s+(?i:not)\s+(?:(?i:(?P=word))\s+)?(?P<old>{_PIECE})\b"
     r"(?=\s*(?:[,.;!?)]|$|(?i:and|but|so|please)\b))")  # the denied part is just the piece, not "37 Larch Close"
 
 
@@ -373,9 +374,12 @@ class EntityGraph:
             self._add(Fact(attribute, span.text, span.type, turn))
 
     def _patch(self, old: Fact, piece: str, new: str, turn: int) -> str:
-        """Replace the denied piece of an old value; the patched whole is the new fact (returned)."""
+        """Replace the denied piece of an old value (or the whole, when the new piece is written whole
+        around it); the patched whole is the new fact (returned)."""
         index = _piece_at(old.value, piece)
-        patched = old.value[:index] + new + old.value[index + len(piece):]
+        head, tail = old.value[:index], old.value[index + len(piece):]
+        whole = new.lower().startswith(head.lower()) and new.lower().endswith(tail.lower())  # "RW-5X28-QT, not 5X82"
+        patched = new if whole else head + new + tail
         self._supersede(old, patched, turn)
         self._add(Fact(old.attribute, patched, old.type, turn))
         return patched
@@ -538,6 +542,21 @@ class EntityGraph:
     def superseded(self) -> list[Fact]:
         return [fact for fact in self.facts if not fact.current]
 
+    def stale(self) -> list[str]:
+        """The pieces of superseded values that their corrections changed ("37 Larch Close" of an address
+        now "70 Poplar Lane"; "2QE" of "... HF4 2QE" now "... HF4 2QF"), none of them part of a current
+        value and each with three letters or digits at least (a lone "4" is in too many other places):
+        what the cache should no longer hold, so that the model reads the current value only."""
+        current = " ".join(f.value.lower() for f in self.current_facts())
+        pieces = []
+        for fact in self.superseded():
+            if fact.type not in _STALE_TYPES or fact.attribute in ("related name", "proper name"):
+                continue  # a wish's words, or someone else's name: too unsure to drop from the cache
+            for piece in _changed_pieces(fact.value, fact.superseded_by or ""):
+                if len(_CONTENT_CHARS.sub("", piece)) >= 3 and piece.lower() not in current and piece not in pieces:
+                    pieces.append(piece)
+        return pieces
+
     def stats(self, turn: int) -> dict:
         return {"entities": len(self.entities), "facts": len(self.current_facts()),
                 "superseded": [f"{f.attribute}: {f.value} -> {f.superseded_by} (turn {f.invalid_from_turn})"
@@ -657,6 +676,23 @@ def _prior(entity: Entity, word: str | None) -> float:
             return 0.1
         return 0.8 if entity.kind == "name" or entity.name[:1].isupper() else 0.5
     return PRIOR_IT.get(entity.kind, 0.5)
+
+
+_STALE_TYPES = ("identity", "contact", "address", "amount", "date")  # the values a correction makes stale
+_CONTENT_CHARS = re.compile(r"[^a-z0-9]", re.I)
+_VALUE_WORD = re.compile(r"[^\s,;]+")
+
+
+def _changed_pieces(old: str, new: str) -> list[str]:
+    """The runs of an old value's words that the new value replaces, as written in the old value, words
+    aligned in order ("12 Mill Lane, Ashbourne, DE6 1GB" -> "4 Orchard Close, Ashbourne, DE6 1HT": "12 Mill
+    Lane" and "1GB"); words the new value only leaves out are not replaced ("14 Elm Grove, Frome" -> "41 Elm
+    Grove": "14" only)."""
+    olds, news = list(_VALUE_WORD.finditer(old)), _VALUE_WORD.findall(new)
+    plain = lambda word: _CONTENT_CHARS.sub("", word).lower()  # noqa: E731
+    matcher = difflib.SequenceMatcher(None, [plain(w.group(0)) for w in olds], [plain(w) for w in news], autojunk=False)
+    return [old[olds[a].start():olds[b - 1].end()].strip(".")
+            for op, a, b, _, _ in matcher.get_opcodes() if op == "replace"]
 
 
 def _single_valued(attribute: str) -> bool:

@@ -188,13 +188,16 @@ class LongTermMemory:
         return vector
 
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
-               referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None) -> list[Recalled]:
+               referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None,
+               forget: Callable[[TokenMeta], torch.Tensor] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget (the missing tokens count);
         a turn comes back whole, so what the cache still holds of it is marked used now too
         (`KVStore.touch`). `query`: the turn's embedding; `entities`: what it names; `topic`: the topic
         segment it returns to, if any; `referents`: turns where what its references resolve to was last
-        named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity."""
+        named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity;
+        `forget`: which tokens of an archived segment must not come back (a bool per token: the pieces of
+        superseded values)."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -212,7 +215,7 @@ class LongTermMemory:
                 chosen += missing
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
-            span = self._span(chosen) if chosen else None
+            span = self._span(chosen, forget) if chosen else None
             if self.last:
                 self.store.touch([r.turn for r in self.last], turn)
             self.charge("search", started)
@@ -272,12 +275,16 @@ class LongTermMemory:
                 missing.append((record.id, mask))
         return missing
 
-    def _span(self, missing: list[tuple[int, torch.Tensor]]) -> KVSpan:
+    def _span(self, missing: list[tuple[int, torch.Tensor]],
+              forget: Callable[[TokenMeta], torch.Tensor] | None) -> KVSpan | None:
         """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
         each in the order it was said), each token copied once into the span (a lone segment in order is
         handed over uncopied: the splice reads a span and writes the store, never the span)."""
         read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
-        return KVSpan.in_serial_order([span if bool(mask.all()) else span.select(mask) for span, mask in read])
+        if forget is not None:
+            read = [(span, mask & ~forget(span.meta)) for span, mask in read]
+        spans = [span if bool(mask.all()) else span.select(mask) for span, mask in read if bool(mask.any())]
+        return KVSpan.in_serial_order(spans) if spans else None
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),

@@ -78,6 +78,25 @@ def test_a_partial_correction_patches_the_value_it_denies():
     assert "14 Larkspur Close, Otley, LS21 2QE" in {f.value for f in graph.superseded()}
 
 
+def test_a_piece_repeated_with_its_neighbour_or_written_whole_patches_only_that_piece():
+    """"BR4 7TW, not BR4 7TN" patches the postcode, not the whole address; "RW-5X28-QT, not 5X82" is the
+    whole code written around the denied piece. What the cache may then drop is just the changed pieces."""
+    graph = rules_graph((0, "The new one is 6 Saltmarsh Close, Brindlow, BR4 7TN."),
+                        (1, "My cycle scheme certificate has code RW-5X82-QT, with a limit of £2,500."),
+                        (4, "I gave you the wrong postcode: it's BR4 7TW, not BR4 7TN."),
+                        (6, "I misread the certificate code. It's RW-5X28-QT, not 5X82. Sorry."))
+    assert [(f.value, f.superseded_by) for f in graph.superseded()] == [
+        ("6 Saltmarsh Close, Brindlow, BR4 7TN", "6 Saltmarsh Close, Brindlow, BR4 7TW"), ("RW-5X82-QT", "RW-5X28-QT")]
+    assert graph.stale() == ["7TN", "RW-5X82-QT"]
+
+
+def test_stale_pieces_are_the_replaced_words_not_what_a_partial_correction_leaves_out():
+    graph = rules_graph((0, "We live at 14 Elm Grove, Frome BA11 2RT and my mobile is 07700 900482."),
+                        (3, "Sorry, it's 41 Elm Grove, not 14."), (5, "New mobile: 07700 900428, not 07700 900482."))
+    assert {f.superseded_by for f in graph.superseded()} >= {"41 Elm Grove", "07700 900428"}
+    assert graph.stale() == ["900482"]  # "14" is too short to find safely; "Frome BA11 2RT" was not replaced
+
+
 def test_corrections_patch_pieces_and_other_peoples_addresses_supersede_nothing():
     graph = rules_graph((0, "The flat is Flat 4, 12 Quay Street, Hull HU1 2AA."),
                         (3, "Correction: it's Flat 14, not Flat 4. My mistake."),
@@ -238,6 +257,32 @@ def test_a_corrected_value_wins_over_the_old_one_with_the_notes(embedded):
     ask(agent, "Which address do you have for me now?")
     new, old = agent.score(["Your address is 70 Poplar Lane, Bristol BS3 4QT.", "Your address is 37 Larch Close, Bristol BS3 4QT."])
     assert new > old
+
+
+def test_a_superseded_value_leaves_the_cache_stays_archived_and_is_never_recalled(embedded):
+    """After the correction, no token of "37 Larch Close" is live (the correcting turn's own "not 37 Larch
+    Close" included); they are archived with their turns, and recalling the old address's turn leaves them
+    out (without the filter they would come back). Without `forget_stale` they stay in the cache."""
+    def run(forget: bool) -> Agent:
+        agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=1000, memory=MemoryConfig(), graph=True,
+                                            forget_stale=forget))
+        for user, reply in SCRIPT[:4]:
+            teacher_force(agent, user, reply)
+        return agent
+
+    kept, agent = run(False), run(True)
+    assert kept._occurrences("Larch Close").numel() >= 6  # stated, corrected, and no eviction at this budget
+    assert agent.graph.stale() == ["37 Larch Close"]
+    assert agent._occurrences("Larch").numel() == 0 and agent._occurrences("Poplar Lane").numel() > 0
+    assert agent.store.length == kept.store.length - kept._occurrences("37 Larch Close").numel()
+    archived = [agent.memory.archive.get(r.id) for r in agent.memory.archive.segments_for(
+        agent.memory.config.user_id, agent.memory.config.session_id)]
+    assert {s.turn for s in archived} == {1, 3} and all("Larch" in agent.format.decode(s.tokens) for s in archived)
+    turn = agent.observe("What was the address I gave you at first?")
+    agent.memory.recall(turn.index, turn.embedding, [], None, {1: "address"}, forget=agent._stale)
+    assert 1 in [r.turn for r in agent.memory.last] and agent._occurrences("Larch").numel() == 0
+    agent.memory.recall(turn.index, turn.embedding, [], None, {1: "address"})  # without the filter: back it comes
+    assert agent._occurrences("37 Larch Close").numel() > 0 and agent.store.length <= 1000
 
 
 def test_he_is_a_given_name_not_a_capitalised_word_no_list_knows():

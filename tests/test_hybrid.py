@@ -120,8 +120,8 @@ def test_pins_survive_eviction_and_count_against_the_budget(embedded):
     for message in ["Tell me about shipping.", "And returns?", "What about warranty terms?", "Thanks a lot!"]:
         agent.chat(message)
         assert agent.store.length <= 64
-    assert agent.store.find(agent.format.words(" QX-7731")).numel() + \
-        agent.store.find(agent.format.words("QX-7731")).numel() >= pinned
+    assert agent.store.meta.find(agent.format.words(" QX-7731")).numel() + \
+        agent.store.meta.find(agent.format.words("QX-7731")).numel() >= pinned
     agent.unpin()
     assert agent.stats()["pinned_tokens"] == 0
     with pytest.raises(ValueError, match="not in the cache"):

@@ -113,8 +113,9 @@ MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text in
 GRAPH = "+graph"  # long-term memory whose recall the entity graph's resolved references also steer
 NOTES = "+notes"  # long-term memory with the profile and running summary as notes in the permanent tier
 PALACE = "+palace"  # both: the whole memory palace
+FORGET = "+palace-forget"  # the whole palace, and the cache drops what corrections superseded (AgentConfig.forget_stale)
 TOPICS = "+topics"  # no memory: the topic classifier's segments, which the hybrid evicts whole (granularity "segment")
-KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE, TOPICS)
+KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE, FORGET, TOPICS)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -132,8 +133,9 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
         memory = replace(memory, reinject="text")
     if kind == NOTES:
         memory = replace(memory, referents=False)
-    notes = kind in (NOTES, PALACE)
+    notes = kind in (NOTES, PALACE, FORGET)
     return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
                                            hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
                                            topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
-                                           graph=kind in (GRAPH, NOTES, PALACE), profile=ProfileConfig() if notes else None))
+                                           graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
+                                           profile=ProfileConfig() if notes else None))
