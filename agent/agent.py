@@ -315,9 +315,10 @@ class Agent:
         if self.summary is not None:  # the keyframe most like the turn brings back its block's turns
             for frame, score in self.summary.search(turn.embedding, self.memory.config.threshold)[:1]:
                 summarised = {old: f"{score:.2f}" for old in range(frame.first_turn, frame.last_turn + 1)}
+        stale = self.graph.stale() if self._forgets else []  # pieces of superseded values: never re-injected
         turn.recalled = self.memory.recall(turn.index, turn.embedding, names_in(turn.text), returns_to,
                                            referents, summarised,
-                                           forget=self._stale if self._forgets else None)
+                                           forget=functools.partial(self._stale, pieces=stale) if stale else None)
 
     @one_thread
     def prefill(self, turn: Turn) -> None:
@@ -455,12 +456,13 @@ class Agent:
         meta = self.store.meta if meta is None else meta
         return torch.cat([meta.find(self._words(form)) for form in (text, " " + text)]).unique()
 
-    def _stale(self, meta: TokenMeta) -> torch.Tensor:
-        """Which rows of `meta` hold a piece of a value a correction superseded (`EntityGraph.stale`), as a
-        bool per row: what the cache drops and recall leaves out, so the model reads the current value
-        only (the old one stays in the graph and the archive, Graphiti-style: invalidated, not deleted)."""
+    def _stale(self, meta: TokenMeta, pieces: list[str] | None = None) -> torch.Tensor:
+        """Which rows of `meta` hold a piece of a value a correction superseded (`pieces`, default
+        `EntityGraph.stale()`), as a bool per row: what the cache drops and recall leaves out, so the model
+        reads the current value only (the old one stays in the graph and the archive, Graphiti-style:
+        invalidated, not deleted)."""
         stale = torch.zeros(len(meta), dtype=torch.bool)
-        for piece in self.graph.stale() if self._forgets else []:
+        for piece in self.graph.stale() if pieces is None else pieces:
             stale[self._occurrences(piece, meta)] = True
         return stale
 
