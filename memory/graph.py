@@ -553,7 +553,7 @@ class EntityGraph:
             if fact.type not in _STALE_TYPES or fact.attribute in ("related name", "proper name"):
                 continue  # a wish's words, or someone else's name: too unsure to drop from the cache
             for piece in _changed_pieces(fact.value, fact.superseded_by or ""):
-                if len(_CONTENT_CHARS.sub("", piece)) >= 3 and piece.lower() not in current and piece not in pieces:
+                if len(_plain(piece)) >= 3 and piece.lower() not in current and piece not in pieces:
                     pieces.append(piece)
         return pieces
 
@@ -679,7 +679,6 @@ def _prior(entity: Entity, word: str | None) -> float:
 
 
 _STALE_TYPES = ("identity", "contact", "address", "amount", "date")  # the values a correction makes stale
-_CONTENT_CHARS = re.compile(r"[^a-z0-9]", re.I)
 _VALUE_WORD = re.compile(r"[^\s,;]+")
 
 
@@ -689,8 +688,7 @@ def _changed_pieces(old: str, new: str) -> list[str]:
     Lane" and "1GB"); words the new value only leaves out are not replaced ("14 Elm Grove, Frome" -> "41 Elm
     Grove": "14" only)."""
     olds, news = list(_VALUE_WORD.finditer(old)), _VALUE_WORD.findall(new)
-    plain = lambda word: _CONTENT_CHARS.sub("", word).lower()  # noqa: E731
-    matcher = difflib.SequenceMatcher(None, [plain(w.group(0)) for w in olds], [plain(w) for w in news], autojunk=False)
+    matcher = difflib.SequenceMatcher(None, [_plain(w.group(0)) for w in olds], [_plain(w) for w in news], autojunk=False)
     return [old[olds[a].start():olds[b - 1].end()].strip(".")
             for op, a, b, _, _ in matcher.get_opcodes() if op == "replace"]
 
@@ -713,6 +711,11 @@ def _contains_piece(value: str, piece: str) -> bool:
 
 def _key(name: str) -> str:
     return " ".join(_CONTENT.findall(name.lower()))
+
+
+def _plain(word: str) -> str:
+    """Its letters and digits, lowercase: "RW-5X82-QT" -> "rw5x82qt"."""
+    return "".join(_CONTENT.findall(word.lower()))
 
 
 def _relation_near(text: str, start: int, end: int) -> str | None:
