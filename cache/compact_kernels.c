@@ -79,3 +79,49 @@ void gather_tokens(char *out, const int64_t *sources, const int64_t *lengths, in
         }
     }
 }
+
+/* Append n rows to one layer's buffers: row j of every head goes to row j of `keys` / `values` (the
+ * layer's [heads][head_stride] buffers from the first row written), from a span's [heads][n][dim] rows;
+ * a key is turned by its row's rotation on the way where rotate[j] (cos/sin [n][dim/2], as compact_rows).
+ * A splice at the end is then one pass over the span, not a rotation into temporaries and a copy. */
+void place_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const void *span_keys,
+                const void *span_values, int n, const float *cos, const float *sin, const uint8_t *rotate,
+                int threads) {
+    const int half = dim / 2;
+    const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int h = 0; h < heads; h++) {
+        char *kbase = (char *)keys + (size_t)h * head_stride * size;
+        char *vbase = (char *)values + (size_t)h * head_stride * size;
+        const char *kspan = (const char *)span_keys + (size_t)h * n * row_bytes;
+        memcpy(vbase, (const char *)span_values + (size_t)h * n * row_bytes, (size_t)n * row_bytes);
+        for (int j = 0; j < n; j++) {
+            char *kto = kbase + (size_t)j * row_bytes;
+            const char *kfrom = kspan + (size_t)j * row_bytes;
+            if (!rotate[j]) {
+                memcpy(kto, kfrom, row_bytes);
+                continue;
+            }
+            const float *c = cos + (size_t)j * half, *s = sin + (size_t)j * half;
+            for (int i = 0; i < half; i++) {
+                const float a = load(kfrom, i, bf16), b = load(kfrom, i + half, bf16);
+                store(kto, i, a * c[i] - b * s[i], bf16);
+                store(kto, i + half, b * c[i] + a * s[i], bf16);
+            }
+        }
+    }
+}
+
+/* Gather the same rows of every layer into one buffer: out holds [layers][heads][n] rows of `row_bytes`;
+ * row j of head h of layer l is row index[j] of sources[l] (a layer's buffers, heads strides[l] bytes
+ * apart). What a compaction evicts, read out of all layers in one call instead of one gather a layer. */
+void gather_layer_rows(char *out, const int64_t *sources, const int64_t *strides, int layers, int heads,
+                       int64_t row_bytes, const int64_t *index, int n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < layers * heads; r++) {
+        const int l = r / heads, h = r % heads;
+        const char *from = (const char *)(intptr_t)sources[l] + (size_t)h * strides[l];
+        char *to = out + (size_t)r * n * row_bytes;
+        for (int j = 0; j < n; j++) memcpy(to + (size_t)j * row_bytes, from + (size_t)index[j] * row_bytes, row_bytes);
+    }
+}

@@ -44,6 +44,8 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
               "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
               "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
+              "place_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _i, _p, _p, _p, _i],
+              "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
@@ -182,6 +184,42 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
                            COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
                            sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+
+
+def place_rows(keys: torch.Tensor, values: torch.Tensor, span_keys: torch.Tensor, span_values: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> None:
+    """Row j of every head of keys and values [1, heads, rows, dim] (a layer's buffers from the first row
+    written, rows contiguous in each head) takes row j of span_keys / span_values [heads, n, dim]
+    (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate` [n] is set."""
+    heads, dim = keys.shape[1], keys.shape[3]
+    cos, sin = _dense(cos), _dense(sin)
+    rotate = rotate.to(torch.uint8).contiguous()
+    library().place_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim, COMPACT_DTYPES[keys.dtype],
+                         span_keys.data_ptr(), span_values.data_ptr(), span_keys.shape[1], cos.data_ptr(),
+                         sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+
+
+def gather_layer_rows(layers: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """[len(layers), heads, n, dim] from layers' [1, heads, rows, dim] views (each head's rows dense, any
+    head stride; one dtype): token j is every layer's row index[j]. One call for all layers."""
+    first = layers[0]
+    out = first.new_empty((len(layers), first.shape[1], index.numel(), first.shape[3]))
+    if not index.numel():
+        return out
+    pointers = torch.tensor([layer.data_ptr() for layer in layers], dtype=torch.int64)
+    strides = torch.tensor([layer.stride(1) * layer.element_size() for layer in layers], dtype=torch.int64)
+    index = index.to(torch.int64).contiguous()
+    library().gather_layer_rows(out.data_ptr(), pointers.data_ptr(), strides.data_ptr(), len(layers), first.shape[1],
+                                first.shape[3] * first.element_size(), index.data_ptr(), index.numel(),
+                                torch.get_num_threads())
+    return out
+
+
+def rows_dense(*tensors: torch.Tensor) -> bool:
+    """Whether these [1, heads, rows, dim] views can be read row by row by the kernels: on the CPU, one
+    dtype they know, each head's rows dense."""
+    return available(*tensors) and all(t.dtype in COMPACT_DTYPES and t.dtype == tensors[0].dtype and t.stride(3) == 1
+                                       and t.stride(2) == t.shape[3] for t in tensors)
 
 
 def gather_tokens(sources: list[torch.Tensor], part: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -56,22 +56,26 @@ class KVSpan:
         return cls(meta, torch.cat([span.keys for span in spans], dim=2), torch.cat([span.values for span in spans], dim=2))
 
     @classmethod
-    def in_serial_order(cls, spans: list["KVSpan"]) -> "KVSpan":
+    def in_serial_order(cls, spans: list["KVSpan"], keep: list[torch.Tensor | None] | None = None) -> "KVSpan":
         """One span of these spans' tokens sorted by serial (spans evicted at different times interleave: the
-        hybrid evicts a message in pieces, runs of 4-5 tokens in a recall). On the CPU each token is copied
-        once, straight to its place (cache/native.py: gather_tokens); elsewhere the spans are joined, then
-        gathered."""
-        meta = spans[0].meta.cat(*(span.meta for span in spans[1:]))
+        hybrid evicts a message in pieces, runs of 4-5 tokens in a recall); `keep`: per span, a bool mask of
+        the tokens to take (None: all). On the CPU each token taken is copied once, straight to its place
+        (cache/native.py: gather_tokens); elsewhere the spans are cut, joined, then gathered."""
+        keep = keep or [None] * len(spans)
+        rows = [torch.arange(len(span)) if mask is None else torch.nonzero(mask).flatten() for span, mask in zip(spans, keep)]
+        whole = [mask is None or len(taken) == len(span) for span, mask, taken in zip(spans, keep, rows)]
+        metas = [span.meta if all_of_it else span.meta.select(taken) for span, all_of_it, taken in zip(spans, whole, rows)]
+        meta = metas[0].cat(*metas[1:])
         order = torch.argsort(meta.serial)
-        if len(spans) == 1 and bool((order == torch.arange(len(order))).all()):
+        if len(spans) == 1 and whole[0] and bool((order == torch.arange(len(order))).all()):
             return spans[0]
         tensors = [(span.keys, span.values) for span in spans]
         if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == tensors[0][0].dtype and v.dtype == tensors[0][1].dtype
                    for k, v in tensors) or not native.available(*(t for pair in tensors for t in pair)):
-            return cls.cat(spans).select(order)
-        part = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([len(span) for span in spans]))
-        index = torch.cat([torch.arange(len(span)) for span in spans])
-        part, index = part[order], index[order]
+            return cls.cat([span if all_of_it else span.select(taken)
+                            for span, all_of_it, taken in zip(spans, whole, rows)]).select(order)
+        part = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([len(taken) for taken in rows]))
+        part, index = part[order], torch.cat(rows)[order]
         return cls(meta.select(order), native.gather_tokens([k for k, _ in tensors], part, index),
                    native.gather_tokens([v for _, v in tensors], part, index))
 

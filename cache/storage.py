@@ -3,7 +3,8 @@
 compute precision (so a compact kind never holds a float copy of the whole layer), `view` gives a float
 kind's tokens without a copy, `fetch` / `update_and_fetch` return all of them in one float tensor (a
 transient copy for compaction, saving and transformers' own attention, never retained), `replace`
-installs a compacted (kept, re-rotated) sequence, `truncate` crops back (keeping its memory, as a fork
+installs a compacted (kept, re-rotated) sequence (a contiguous float layer compacts in place, `compact`, and
+takes a splice's rows turned on the way, `place`), `truncate` crops back (keeping its memory, as a fork
 rolls back to refill at once), `fit` gives back what is held beyond the tokens and room for a few more
 when that is a large share (after a compaction that truncated and appended), `nbytes` counts the memory
 really held, and `state` / `load_state` save and restore it (`from_state` builds a new one)."""
@@ -150,6 +151,23 @@ class ContiguousStorage:
         native.compact_rows(self.keys[:, :, start:], self.values[:, :, start:], order, rotation[0][:, :half],
                             rotation[1][:, :half], turned)
         self.length = start + order.numel()
+        return True
+
+    def place(self, keys: torch.Tensor, values: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
+              turned: torch.Tensor) -> bool:
+        """Append a span's rows for this layer (keys and values [kv_heads, n, head_dim]), each key turned by
+        `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in one pass by the native kernel
+        (cache/native.py). False when it cannot (not on the CPU, another dtype, no compiler): the caller
+        rotates and appends the general way."""
+        from cache import native
+
+        if self.keys is None or keys.dtype != self.keys.dtype or values.dtype != self.values.dtype \
+                or self.keys.dtype not in native.COMPACT_DTYPES or not native.available(self.keys, keys, values):
+            return False
+        keys, values = keys.contiguous(), values.contiguous()
+        start, half = self.claim(keys.shape[1]), self.keys.shape[3] // 2
+        native.place_rows(self.keys[:, :, start:], self.values[:, :, start:], keys, values, rotation[0][:, :half],
+                          rotation[1][:, :half], turned)
         return True
 
     def fit(self, reserve: int = 0) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from cache import native
 from cache.meta import ROLES, TokenMeta
 from cache.rope import Rerotator
 from cache.span import KVSpan
@@ -314,10 +315,17 @@ class KVStore(Cache):
         shifted, rotation = bool(turned.any()), None
         # a compaction (kept tokens in order, nothing spliced in) moves rows in place where the storage can
         in_place = span is None and order is not None and bool((order[1:] > order[:-1]).all())
+        # a splice at the end (span rows after every live one) is written straight into the storage where it can
+        appended = span is not None and order is None and start == self.length
         for i, layer in enumerate(self.layers):
             if in_place and hasattr(layer.storage, "compact") and layer.is_initialized:
                 rotation = rotation or self.rerotator.rotation(delta, layer.device)
                 if layer.storage.compact(start, order, rotation, turned):
+                    layer.storage.fit(reserve)
+                    continue
+            if appended and hasattr(layer.storage, "place") and layer.is_initialized:
+                rotation = rotation or self.rerotator.rotation(delta, layer.device)
+                if layer.storage.place(span.keys[i], span.values[i], rotation, turned):
                     layer.storage.fit(reserve)
                     continue
             if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
@@ -393,13 +401,15 @@ class KVStore(Cache):
         evicted = evicted[torch.argsort(group, stable=True)]  # grouped by message, cache order within
         sizes = torch.bincount(group).tolist()
         kv = [layer.storage.fetch() for layer in self.layers]
-        # gathered along the [1, heads, tokens, dim] views themselves (a gather from a 3-d slice of one copies
-        # the whole layer first), each layer straight into its slice of the spans' one tensor
-        keys, values = (first.new_empty((len(kv), first.shape[1], len(evicted), first.shape[3])) for first in kv[0])
-        index = evicted.to(keys.device)
-        for i, (k, v) in enumerate(kv):
-            torch.index_select(k, 2, index, out=keys[i : i + 1])
-            torch.index_select(v, 2, index, out=values[i : i + 1])
+        if native.rows_dense(*(t for pair in kv for t in pair)):  # every layer's rows in one call a side
+            keys, values = (native.gather_layer_rows([pair[side] for pair in kv], evicted) for side in (0, 1))
+        else:  # gathered along the [1, heads, tokens, dim] views themselves (a gather from a 3-d slice of one
+            # copies the whole layer first), each layer straight into its slice of the spans' one tensor
+            keys, values = (first.new_empty((len(kv), first.shape[1], len(evicted), first.shape[3])) for first in kv[0])
+            index = evicted.to(keys.device)
+            for i, (k, v) in enumerate(kv):
+                torch.index_select(k, 2, index, out=keys[i : i + 1])
+                torch.index_select(v, 2, index, out=values[i : i + 1])
         keys, values = keys.split(sizes, dim=2), values.split(sizes, dim=2)
         firsts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
         return [KVSpan(self.meta.select(evicted[a:a + size]), keys[i], values[i])

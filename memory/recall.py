@@ -278,13 +278,13 @@ class LongTermMemory:
     def _span(self, missing: list[tuple[int, torch.Tensor]],
               forget: Callable[[TokenMeta], torch.Tensor] | None) -> KVSpan | None:
         """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
-        each in the order it was said), each token copied once into the span (a lone segment in order is
-        handed over uncopied: the splice reads a span and writes the store, never the span)."""
+        each in the order it was said), each token taken copied once into the span (a lone segment in order
+        and whole is handed over uncopied: the splice reads a span and writes the store, never the span)."""
         read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
         if forget is not None:
             read = [(span, mask & ~forget(span.meta)) for span, mask in read]
-        spans = [span if bool(mask.all()) else span.select(mask) for span, mask in read if bool(mask.any())]
-        return KVSpan.in_serial_order(spans) if spans else None
+        read = [(span, mask) for span, mask in read if bool(mask.any())]
+        return KVSpan.in_serial_order(*map(list, zip(*read))) if read else None
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),

@@ -147,6 +147,64 @@ def test_compaction_in_place_equals_torch_gather_and_rotation(monkeypatch, kv_dt
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_a_splice_at_the_end_written_in_place_equals_torch_rotation_and_append(monkeypatch, kv_dtype):
+    """The same evictions (handed to a sink) and the same splices back at the end, in two stores fed alike by
+    a tiny GQA Llama: one through the C kernels (the evicted rows of all layers in one gather a side, the
+    spliced rows turned and written straight into each layer), the other through torch ops (PALACE_NATIVE=0
+    while it evicts and splices). Same spans, same tokens and positions, keys within float rounding
+    (bfloat16: bit for bit), values exactly; the logits of a next forward agree."""
+    from agent.engine import forward
+    from cache.storage import StorageConfig
+    from tests.helpers import store_for, tiny_llama
+
+    model = tiny_llama(seed=6)
+    ids = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    calls = []
+    for name in ("place_rows", "gather_layer_rows"):
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, _k=kernel, _n=name: calls.append(_n) or _k(*args))
+
+    def native_on(on: bool) -> None:
+        monkeypatch.setenv("PALACE_NATIVE", "1" if on else "0")
+        native.library.cache_clear()
+
+    def run(use_native: bool):
+        native_on(True)
+        store = store_for(model, storage=StorageConfig(kv_dtype))
+        forward(model, store, ids)
+        native_on(use_native)
+        evicted = []
+        store.on_evict = evicted.append
+        for drop in (torch.tensor([2, 3, 40, 41, 42, 97]), torch.arange(10, 30)):
+            kept = torch.ones(store.length, dtype=torch.bool)
+            kept[drop] = False
+            store.keep(torch.nonzero(kept).flatten())
+        store.on_evict = None
+        spans = [span.state() for span in evicted]
+        store.inject(evicted[1:3], turn=1)
+        store.inject(evicted[0], turn=2)
+        native_on(True)
+        return store, spans, [layer.storage.fetch() for layer in store.layers], forward(model, store, ids[:5])
+
+    try:
+        fast, fast_spans, fast_kv, fast_logits = run(True)
+        assert calls.count("gather_layer_rows") == 2 * 2 and calls.count("place_rows") == 2 * len(model.model.layers)
+        slow, slow_spans, slow_kv, slow_logits = run(False)
+        assert len(calls) == 4 + 2 * len(model.model.layers)
+    finally:
+        native.library.cache_clear()
+    same_keys = torch.equal if kv_dtype == "bfloat16" else \
+        (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6) is None)  # the compactions' rotations
+    for fast_span, slow_span in zip(fast_spans, slow_spans, strict=True):
+        assert same_keys(fast_span["keys"], slow_span["keys"]) and torch.equal(fast_span["values"], slow_span["values"])
+    assert fast.length == slow.length == 150 + 5
+    assert torch.equal(fast.meta.serial, slow.meta.serial) and torch.equal(fast.meta.position, slow.meta.position)
+    for (fast_keys, fast_values), (slow_keys, slow_values) in zip(fast_kv, slow_kv):
+        assert torch.equal(fast_values, slow_values) and same_keys(fast_keys, slow_keys)
+    torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
+
+
 def bf16_glue_inputs(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
     """A stream with a few outlier columns (this model's activations reach the thousands), its norm's weight,
     a gate-and-up product, and queries, keys and values with the rotary angles of `rows` positions."""

@@ -130,6 +130,14 @@ def test_interleaved_spans_come_back_in_serial_order_each_token_once(tiny, dtype
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert got.keys.dtype == dtype and torch.equal(got.meta.position, want.meta.position)
     assert KVSpan.in_serial_order([want]) is want  # one span already in order: handed back, not copied
+    keep = [torch.rand(len(span), generator=torch.Generator().manual_seed(k)) < 0.5 for k, span in enumerate(shuffled)]
+    keep[0] = None  # all of it
+    cut = KVSpan.cat([span if mask is None else span.select(mask) for span, mask in zip(shuffled, keep)])
+    want = cut.select(torch.argsort(cut.serials))
+    got = KVSpan.in_serial_order(shuffled, keep)
+    assert len(got) < len(joined) and got.serials.tolist() == sorted(cut.serials.tolist())
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert torch.equal(got.meta.position, want.meta.position) and torch.equal(got.meta.turn, want.meta.turn)
 
 
 def test_serials_are_never_reused_and_forks_roll_them_back(tiny):
