@@ -32,10 +32,26 @@ static inline void store(char *row, int i, float x, int bf16) {
         ((float *)row)[i] = x;
 }
 
+/* Row `from` to row `to` (dim elements), the key turned by cos/sin c/s [dim/2] where `rotate` (its two halves
+ * by the same angles, in float32: a' = a cos - b sin, b' = b cos + a sin); both halves are read before either
+ * is written, so `from` may be `to`. */
+static inline void turn_row(char *to, const char *from, int rotate, const float *c, const float *s, int half, int bf16,
+                            size_t row_bytes) {
+    if (!rotate) {
+        if (to != from) memcpy(to, from, row_bytes);
+        return;
+    }
+    for (int i = 0; i < half; i++) {
+        const float a = load(from, i, bf16), b = load(from, i + half, bf16);
+        store(to, i, a * c[i] - b * s[i], bf16);
+        store(to, i + half, b * c[i] + a * s[i], bf16);
+    }
+}
+
 /* keys, values: the layer's [heads][head_stride] buffers from the first row rewritten; element size 4
  * (float32) or 2 (bfloat16, `bf16` set). Row j = 0..n-1 takes row index[j]: ascending with index[j] >= j,
  * so every read is ahead of every write before it. Where rotate[j], the key is turned by cos/sin
- * [n][dim/2] (its two halves by the same angles) in float32: a' = a cos - b sin, b' = b cos + a sin. */
+ * [n][dim/2] (turn_row). */
 void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16,
                   const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate,
                   int threads) {
@@ -47,19 +63,9 @@ void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int 
         char *vbase = (char *)values + (size_t)h * head_stride * size;
         for (int j = 0; j < n; j++) {
             const int64_t src = index[j];
-            char *kto = kbase + (size_t)j * row_bytes;
-            const char *kfrom = kbase + (size_t)src * row_bytes;
             if (src != j) memcpy(vbase + (size_t)j * row_bytes, vbase + (size_t)src * row_bytes, row_bytes);
-            if (!rotate[j]) {
-                if (src != j) memcpy(kto, kfrom, row_bytes);
-                continue;
-            }
-            const float *c = cos + (size_t)j * half, *s = sin + (size_t)j * half;
-            for (int i = 0; i < half; i++) {  /* both halves read before either is written: src may be j */
-                const float a = load(kfrom, i, bf16), b = load(kfrom, i + half, bf16);
-                store(kto, i, a * c[i] - b * s[i], bf16);
-                store(kto, i + half, b * c[i] + a * s[i], bf16);
-            }
+            turn_row(kbase + (size_t)j * row_bytes, kbase + (size_t)src * row_bytes, rotate[j], cos + (size_t)j * half,
+                     sin + (size_t)j * half, half, bf16, row_bytes);
         }
     }
 }
@@ -95,20 +101,9 @@ void place_rows(void *keys, void *values, int heads, int64_t head_stride, int di
         char *vbase = (char *)values + (size_t)h * head_stride * size;
         const char *kspan = (const char *)span_keys + (size_t)h * n * row_bytes;
         memcpy(vbase, (const char *)span_values + (size_t)h * n * row_bytes, (size_t)n * row_bytes);
-        for (int j = 0; j < n; j++) {
-            char *kto = kbase + (size_t)j * row_bytes;
-            const char *kfrom = kspan + (size_t)j * row_bytes;
-            if (!rotate[j]) {
-                memcpy(kto, kfrom, row_bytes);
-                continue;
-            }
-            const float *c = cos + (size_t)j * half, *s = sin + (size_t)j * half;
-            for (int i = 0; i < half; i++) {
-                const float a = load(kfrom, i, bf16), b = load(kfrom, i + half, bf16);
-                store(kto, i, a * c[i] - b * s[i], bf16);
-                store(kto, i + half, b * c[i] + a * s[i], bf16);
-            }
-        }
+        for (int j = 0; j < n; j++)
+            turn_row(kbase + (size_t)j * row_bytes, kspan + (size_t)j * row_bytes, rotate[j], cos + (size_t)j * half,
+                     sin + (size_t)j * half, half, bf16, row_bytes);
     }
 }
 
