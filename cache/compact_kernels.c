@@ -3,6 +3,7 @@
  * torch needs a gather into new tensors, a rotation over them and a copy back, op by op and layer by
  * layer; at a 1K-token cache that is most of a splice's time. Built by cache/native.py with the quantized
  * attention kernels. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -34,17 +35,25 @@ static inline void store(char *row, int i, float x, int bf16) {
 
 /* Row `from` to row `to` (dim elements), the key turned by cos/sin c/s [dim/2] where `rotate` (its two halves
  * by the same angles, in float32: a' = a cos - b sin, b' = b cos + a sin); both halves are read before either
- * is written, so `from` may be `to`. */
+ * is written, so `from` may be `to`. `fused`: as torch's out-of-place rotation rounds it (cache/rope.py's
+ * `shift`, which the splice replaces: a' = fma(a, cos, -(b sin)), b' = fma(b, cos, a sin)), else each product
+ * rounded before the sum, as the compaction kernel always has: each kernel keeps the figures of the path it
+ * replaced to the bit in bfloat16 (a rounding apart, one key in 100,000 comes out one bfloat16 step away). */
 static inline void turn_row(char *to, const char *from, int rotate, const float *c, const float *s, int half, int bf16,
-                            size_t row_bytes) {
+                            size_t row_bytes, int fused) {
     if (!rotate) {
         if (to != from) memcpy(to, from, row_bytes);
         return;
     }
     for (int i = 0; i < half; i++) {
         const float a = load(from, i, bf16), b = load(from, i + half, bf16);
-        store(to, i, a * c[i] - b * s[i], bf16);
-        store(to, i + half, b * c[i] + a * s[i], bf16);
+        if (fused) {
+            store(to, i, fmaf(a, c[i], -(b * s[i])), bf16);
+            store(to, i + half, fmaf(b, c[i], a * s[i]), bf16);
+        } else {
+            store(to, i, a * c[i] - b * s[i], bf16);
+            store(to, i + half, b * c[i] + a * s[i], bf16);
+        }
     }
 }
 
@@ -65,7 +74,7 @@ void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int 
             const int64_t src = index[j];
             if (src != j) memcpy(vbase + (size_t)j * row_bytes, vbase + (size_t)src * row_bytes, row_bytes);
             turn_row(kbase + (size_t)j * row_bytes, kbase + (size_t)src * row_bytes, rotate[j], cos + (size_t)j * half,
-                     sin + (size_t)j * half, half, bf16, row_bytes);
+                     sin + (size_t)j * half, half, bf16, row_bytes, 0);
         }
     }
 }
@@ -103,7 +112,7 @@ void place_rows(void *keys, void *values, int heads, int64_t head_stride, int di
         memcpy(vbase, (const char *)span_values + (size_t)h * n * row_bytes, (size_t)n * row_bytes);
         for (int j = 0; j < n; j++)
             turn_row(kbase + (size_t)j * row_bytes, kspan + (size_t)j * row_bytes, rotate[j], cos + (size_t)j * half,
-                     sin + (size_t)j * half, half, bf16, row_bytes);
+                     sin + (size_t)j * half, half, bf16, row_bytes, 1);
     }
 }
 
