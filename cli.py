@@ -374,6 +374,8 @@ def bench(
                                        "README) in one saved session with memory on: budget, RSS, archive disk and TTFT."),
     memory_dialogue: Optional[str] = typer.Option(None, "--memory-dialogue", help="Part C: the first dialogue of this "
                                                   "file (default: data/dialogues.jsonl)."),
+    memory_dtype: str = typer.Option("float32", "--memory-dtype", help="Part C: the model's and the KV's dtype: "
+                                     "float32, bfloat16, or auto (what `palace eval` picks on this machine)."),
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
@@ -384,7 +386,10 @@ def bench(
         return
     if not parts or set(parts) - set("abc"):
         raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
-    config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds, memory_dialogue=memory_dialogue)
+    if memory_dtype not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"--memory-dtype takes float32, bfloat16 or auto, got {memory_dtype!r}")
+    config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds, memory_dialogue=memory_dialogue,
+                                memory_dtype=memory_dtype)
     if memory_dialogue is not None:
         from agent.bench.memory_part import scripted_turns
         from agent.eval.dialogue import DialogueError

@@ -201,6 +201,17 @@ def test_part_c_reports_every_step_of_the_memory_palace_against_the_hybrid(embed
     assert text.startswith("8 turns of data/dialogues.jsonl cs-0001 at a")
 
 
+def test_part_c_runs_in_the_dtype_it_is_given_with_the_kv_in_it_too():
+    """`palace bench --parts c --memory-dtype bfloat16`: the configuration `palace eval` runs on AMX and AVX-512 BF16
+    CPUs (model and KV in bfloat16), said in the table."""
+    from agent.bench.memory_part import part_c, render_part_c
+    from agent.model import load_model
+
+    result = part_c(load_model("embedded", "cpu", "bfloat16"), 3, lambda message: None)
+    assert result["dtype"] == "bfloat16" and result["runs"]["hybrid+palace"]["steps"]["embed"]["p50"] > 0
+    assert "model and KV in bfloat16" in render_part_c(result)[0]
+
+
 def test_part_c_runs_any_scripted_dialogue_and_refuses_one_without_replies(embedded, tmp_path):
     from agent.bench.memory_part import ROOT, part_c
     from agent.eval.dialogue import DialogueError

@@ -66,6 +66,7 @@ class BenchConfig:
     parts: str = "ab"  # a: engine vs generate(); b: KV strategies; c: memory work per turn (agent/bench/memory_part.py)
     memory_turns: int | None = None  # Part C: the dialogue's first this many turns (None: all 50)
     memory_dialogue: str | None = None  # Part C: the first dialogue of this file (None: data/dialogues.jsonl)
+    memory_dtype: str = "float32"  # Part C: the model's and the KV's dtype ("auto": what `palace eval` picks here)
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> "BenchConfig":
@@ -598,7 +599,8 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
         from agent.bench.memory_part import DEFAULT_DIALOGUE, part_c, render_part_c
 
         echo("\nPart C: memory work per turn, hybrid+palace against the hybrid alone (same dialogue, same run)")
-        result["part_c"] = part_c(loaded, config.memory_turns, log,
+        memory_loaded = loaded if config.memory_dtype == "float32" else load_model(model_spec, "cpu", config.memory_dtype)
+        result["part_c"] = part_c(memory_loaded, config.memory_turns, log,
                                   Path(config.memory_dialogue) if config.memory_dialogue else DEFAULT_DIALOGUE)
         echo("\n".join(render_part_c(result["part_c"])))
     result["seconds"] = time.perf_counter() - started

@@ -52,6 +52,7 @@ def percentiles(values: list[float]) -> dict:
 def part_c(loaded, turns_limit: int | None, log: Callable[[str], None], path: Path = DEFAULT_DIALOGUE) -> dict:
     from agent.agent import Agent, AgentConfig
     from agent.chat_format import ChatFormat
+    from cache.storage import StorageConfig
     from memory.profile import ProfileConfig
     from memory.recall import MemoryConfig
 
@@ -60,10 +61,12 @@ def part_c(loaded, turns_limit: int | None, log: Callable[[str], None], path: Pa
     full = len(fmt.system_prompt(system)) + sum(len(fmt.user_message(u)) + len(fmt.assistant_reply(a)) +
                                                  len(fmt.next_user_header()) for u, a in turns)
     budget = max(64, full // 4)
+    kv = str(loaded.dtype).removeprefix("torch.")  # the KV in the model's dtype, as `palace eval --kv-dtype auto`
     runs = {}
     for name, extra in (("hybrid", {}), ("hybrid+palace", dict(memory=MemoryConfig(), topics=True, graph=True,
                                                                 profile=ProfileConfig()))):
-        agent = Agent(loaded, AgentConfig(policy="hybrid", budget_tokens=budget, system=system, **extra))
+        agent = Agent(loaded, AgentConfig(policy="hybrid", budget_tokens=budget, system=system,
+                                          storage=StorageConfig(kv), **extra))
         ttft, steps, totals = [], {step: [] for step in STEPS}, []
         for user, reply in turns:
             started = time.perf_counter()
@@ -83,7 +86,7 @@ def part_c(loaded, turns_limit: int | None, log: Callable[[str], None], path: Pa
     base, palace = runs["hybrid"]["ttft_ms"], runs["hybrid+palace"]["ttft_ms"]
     where = Path(path).resolve()
     return {"dialogue": f"{where.relative_to(ROOT) if where.is_relative_to(ROOT) else where} {dialogue}",
-            "turns": len(turns), "budget_tokens": budget, "full_tokens": full, "runs": runs,
+            "turns": len(turns), "budget_tokens": budget, "full_tokens": full, "dtype": kv, "runs": runs,
             "ttft_p95_vs_hybrid": palace["p95"] / base["p95"], "ttft_p50_vs_hybrid": palace["p50"] / base["p50"]}
 
 
@@ -91,7 +94,7 @@ def render_part_c(result: dict) -> list[str]:
     palace = result["runs"]["hybrid+palace"]
     hybrid = result["runs"]["hybrid"]
     lines = [f"{result['turns']} turns of {result['dialogue']} at a {result['budget_tokens']}-token budget "
-             f"(25 % of {result['full_tokens']})", f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
+             f"(25 % of {result['full_tokens']}), model and KV in {result['dtype']}", f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
     for step, row in palace["steps"].items():
         lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):30} "
                      f"{row['p50']:>8.1f} {row['p95']:>8.1f}")
