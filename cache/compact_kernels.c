@@ -33,27 +33,50 @@ static inline void store(char *row, int i, float x, int bf16) {
         ((float *)row)[i] = x;
 }
 
+#define MAX_HALF 256 /* head_dim / 2 up to which a row is turned through float buffers the compiler vectorizes */
+
 /* Row `from` to row `to` (dim elements), the key turned by cos/sin c/s [dim/2] where `rotate` (its two halves
  * by the same angles, in float32: a' = a cos - b sin, b' = b cos + a sin); both halves are read before either
  * is written, so `from` may be `to`. `fused`: as torch's out-of-place rotation rounds it (cache/rope.py's
  * `shift`, which the splice replaces: a' = fma(a, cos, -(b sin)), b' = fma(b, cos, a sin)), else each product
  * rounded before the sum, as the compaction kernel always has: each kernel keeps the figures of the path it
- * replaced to the bit in bfloat16 (a rounding apart, one key in 100,000 comes out one bfloat16 step away). */
+ * replaced to the bit in bfloat16 (a rounding apart, one key in 100,000 comes out one bfloat16 step away).
+ * Each step is its own loop over the row, so each vectorizes (one loop with the dtype's branch inside did not). */
 static inline void turn_row(char *to, const char *from, int rotate, const float *c, const float *s, int half, int bf16,
                             size_t row_bytes, int fused) {
-    if (!rotate) {
+    if (!rotate || half > MAX_HALF) {
         if (to != from) memcpy(to, from, row_bytes);
+        if (rotate) /* a head too wide for the buffers: element by element, in place */
+            for (int i = 0; i < half; i++) {
+                const float a = load(to, i, bf16), b = load(to, i + half, bf16);
+                store(to, i, fused ? fmaf(a, c[i], -(b * s[i])) : a * c[i] - b * s[i], bf16);
+                store(to, i + half, fused ? fmaf(b, c[i], a * s[i]) : b * c[i] + a * s[i], bf16);
+            }
         return;
     }
-    for (int i = 0; i < half; i++) {
-        const float a = load(from, i, bf16), b = load(from, i + half, bf16);
-        if (fused) {
-            store(to, i, fmaf(a, c[i], -(b * s[i])), bf16);
-            store(to, i + half, fmaf(b, c[i], a * s[i]), bf16);
-        } else {
-            store(to, i, a * c[i] - b * s[i], bf16);
-            store(to, i + half, b * c[i] + a * s[i], bf16);
-        }
+    float a[MAX_HALF], b[MAX_HALF], x[MAX_HALF], y[MAX_HALF];
+    if (bf16) {
+        const uint16_t *in = (const uint16_t *)from;
+        for (int i = 0; i < half; i++) a[i] = bf16_to_float(in[i]);
+        for (int i = 0; i < half; i++) b[i] = bf16_to_float(in[i + half]);
+    } else {
+        memcpy(a, from, (size_t)half * sizeof(float));
+        memcpy(b, from + (size_t)half * sizeof(float), (size_t)half * sizeof(float));
+    }
+    if (fused) {
+        for (int i = 0; i < half; i++) x[i] = fmaf(a[i], c[i], -(b[i] * s[i]));
+        for (int i = 0; i < half; i++) y[i] = fmaf(b[i], c[i], a[i] * s[i]);
+    } else {
+        for (int i = 0; i < half; i++) x[i] = a[i] * c[i] - b[i] * s[i];
+        for (int i = 0; i < half; i++) y[i] = b[i] * c[i] + a[i] * s[i];
+    }
+    if (bf16) {
+        uint16_t *out = (uint16_t *)to;
+        for (int i = 0; i < half; i++) out[i] = float_to_bf16(x[i]);
+        for (int i = 0; i < half; i++) out[i + half] = float_to_bf16(y[i]);
+    } else {
+        memcpy(to, x, (size_t)half * sizeof(float));
+        memcpy(to + (size_t)half * sizeof(float), y, (size_t)half * sizeof(float));
     }
 }
 

@@ -205,19 +205,21 @@ def test_a_splice_at_the_end_written_in_place_equals_torch_rotation_and_append(m
     torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_a_spliced_layer_equals_torch_rotation_then_append_to_the_bit():
+@pytest.mark.parametrize("dim", [64, 520])
+def test_a_spliced_layer_equals_torch_rotation_then_append_to_the_bit(dim):
     """`ContiguousStorage.place` against the path it replaced (`Rerotator.shift`, out of place, then `append`) on
     12,000 random bfloat16 keys turned by scattered deltas: bit for bit (a kernel that rounds the rotation
-    another way moves about one key element in 100,000 by a bfloat16 step, which a small model rarely shows)."""
+    another way moves about one key element in 100,000 by a bfloat16 step, which a small model rarely shows);
+    for SmolLM2's head size and for one wider than the kernel's vectorized buffers (its element-wise path)."""
     from cache.rope import Rerotator
     from cache.storage import ContiguousStorage
 
     generator = torch.Generator().manual_seed(8)
-    held = (torch.randn(1, 3, 100, 64, generator=generator) * 3).bfloat16()
-    keys, values = ((torch.randn(3, 4000, 64, generator=generator) * 3).bfloat16() for _ in range(2))
+    held = (torch.randn(1, 3, 100, dim, generator=generator) * 3).bfloat16()
+    keys, values = ((torch.randn(3, 4000, dim, generator=generator) * 3).bfloat16() for _ in range(2))
     delta = torch.randint(-900, 900, (4000,), generator=generator)
     delta[::7] = 0
-    rerotator = Rerotator(1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    rerotator = Rerotator(1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     rotation = rerotator.rotation(delta)
     fast, slow = ContiguousStorage(), ContiguousStorage()
     for storage in (fast, slow):
