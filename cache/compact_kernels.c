@@ -118,28 +118,24 @@ void gather_tokens(char *out, const int64_t *sources, const int64_t *lengths, in
     }
 }
 
-/* Append n rows to one layer's buffers: row j of every head goes to row j of `keys` / `values` (the layer's
- * [heads][head_stride] buffers from the first row written), read from spans of KV outside the cache: row j is
- * token index[j] of span part[j] (whose keys and values are [layers][heads][lengths[p]][dim], contiguous; this
- * layer's rows), its key turned by its row's rotation on the way where rotate[j] (cos/sin [n][dim/2], fused as
- * torch's out-of-place rotation, see turn_row). A recall's rows go from the archive into the cache in one pass,
- * not gathered into a span first, then rotated into temporaries, then copied. */
-void place_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const int64_t *key_spans,
-                const int64_t *value_spans, const int64_t *lengths, int layer, const int64_t *part,
-                const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate, int threads) {
+/* Append n rows to one layer's buffers: row j of every head goes to row j of `keys` / `values` (the
+ * layer's [heads][head_stride] buffers from the first row written), from a span's [heads][n][dim] rows;
+ * a key is turned by its row's rotation on the way where rotate[j] (cos/sin [n][dim/2], as compact_rows).
+ * A splice at the end is then one pass over the span, not a rotation into temporaries and a copy. */
+void place_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const void *span_keys,
+                const void *span_values, int n, const float *cos, const float *sin, const uint8_t *rotate,
+                int threads) {
     const int half = dim / 2;
     const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int h = 0; h < heads; h++) {
         char *kbase = (char *)keys + (size_t)h * head_stride * size;
         char *vbase = (char *)values + (size_t)h * head_stride * size;
-        for (int j = 0; j < n; j++) {
-            const int64_t p = part[j];
-            const size_t at = (((size_t)layer * heads + h) * lengths[p] + index[j]) * row_bytes;
-            memcpy(vbase + (size_t)j * row_bytes, (const char *)(intptr_t)value_spans[p] + at, row_bytes);
-            turn_row(kbase + (size_t)j * row_bytes, (const char *)(intptr_t)key_spans[p] + at, rotate[j],
-                     cos + (size_t)j * half, sin + (size_t)j * half, half, bf16, row_bytes, 1);
-        }
+        const char *kspan = (const char *)span_keys + (size_t)h * n * row_bytes;
+        memcpy(vbase, (const char *)span_values + (size_t)h * n * row_bytes, (size_t)n * row_bytes);
+        for (int j = 0; j < n; j++)
+            turn_row(kbase + (size_t)j * row_bytes, kspan + (size_t)j * row_bytes, rotate[j], cos + (size_t)j * half,
+                     sin + (size_t)j * half, half, bf16, row_bytes, 1);
     }
 }
 

@@ -44,7 +44,7 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
               "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
               "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
-              "place_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _p, _i, _p, _p, _i, _p, _p, _p, _i],
+              "place_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _i, _p, _p, _p, _i],
               "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
@@ -186,23 +186,17 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
                            sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
 
 
-def place_rows(keys: torch.Tensor, values: torch.Tensor, span_keys: list[torch.Tensor], span_values: list[torch.Tensor],
-               layer: int, part: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               rotate: torch.Tensor) -> None:
+def place_rows(keys: torch.Tensor, values: torch.Tensor, span_keys: torch.Tensor, span_values: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> None:
     """Row j of every head of keys and values [1, heads, rows, dim] (a layer's buffers from the first row
-    written, rows contiguous in each head) takes token index[j] of span part[j] at `layer` (span_keys /
-    span_values: [layers, heads, n_p, dim] each, contiguous, the buffers' dtype), the key turned by cos / sin
-    [n, dim / 2] where `rotate` [n] is set."""
+    written, rows contiguous in each head) takes row j of span_keys / span_values [heads, n, dim]
+    (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate` [n] is set."""
     heads, dim = keys.shape[1], keys.shape[3]
     cos, sin = _dense(cos), _dense(sin)
     rotate = rotate.to(torch.uint8).contiguous()
-    pointers = [torch.tensor([t.data_ptr() for t in side], dtype=torch.int64) for side in (span_keys, span_values)]
-    lengths = torch.tensor([t.shape[2] for t in span_keys], dtype=torch.int64)
-    part, index = part.to(torch.int64).contiguous(), index.to(torch.int64).contiguous()
     library().place_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim, COMPACT_DTYPES[keys.dtype],
-                         pointers[0].data_ptr(), pointers[1].data_ptr(), lengths.data_ptr(), layer, part.data_ptr(),
-                         index.data_ptr(), part.numel(), cos.data_ptr(), sin.data_ptr(), rotate.data_ptr(),
-                         torch.get_num_threads())
+                         span_keys.data_ptr(), span_values.data_ptr(), span_keys.shape[1], cos.data_ptr(),
+                         sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
 
 
 def gather_layer_rows(layers: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,10 @@ every layer's keys and values as the cache held them. Keys keep RoPE applied at 
 splice re-rotates them by the difference to wherever they land (cache/rope.py).
 
 All layers sit in one tensor per side, so joining or selecting spans is one operation, not one per layer:
-at a few dozen tokens a span's work is per-call overhead (30 layers x 2 sides), not arithmetic.
-
-`SpanRows` picks tokens of several spans in serial order without copying them: a recall hands it to
-`KVStore.inject`, which reads each token from its span straight into the cache where it can."""
+at a few dozen tokens a span's work is per-call overhead (30 layers x 2 sides), not arithmetic."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +55,30 @@ class KVSpan:
         meta = spans[0].meta.cat(*(span.meta for span in spans[1:]))
         return cls(meta, torch.cat([span.keys for span in spans], dim=2), torch.cat([span.values for span in spans], dim=2))
 
+    @classmethod
+    def in_serial_order(cls, spans: list["KVSpan"], keep: list[torch.Tensor | None] | None = None) -> "KVSpan":
+        """One span of these spans' tokens sorted by serial (spans evicted at different times interleave: the
+        hybrid evicts a message in pieces, runs of 4-5 tokens in a recall); `keep`: per span, a bool mask of
+        the tokens to take (None: all). On the CPU each token taken is copied once, straight to its place
+        (cache/native.py: gather_tokens); elsewhere the spans are cut, joined, then gathered."""
+        keep = keep or [None] * len(spans)
+        rows = [torch.arange(len(span)) if mask is None else torch.nonzero(mask).flatten() for span, mask in zip(spans, keep)]
+        whole = [mask is None or len(taken) == len(span) for span, mask, taken in zip(spans, keep, rows)]
+        metas = [span.meta if all_of_it else span.meta.select(taken) for span, all_of_it, taken in zip(spans, whole, rows)]
+        meta = metas[0].cat(*metas[1:])
+        order = torch.argsort(meta.serial)
+        if len(spans) == 1 and whole[0] and bool((order == torch.arange(len(order))).all()):
+            return spans[0]
+        tensors = [(span.keys, span.values) for span in spans]
+        if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == tensors[0][0].dtype and v.dtype == tensors[0][1].dtype
+                   for k, v in tensors) or not native.available(*(t for pair in tensors for t in pair)):
+            return cls.cat([span if all_of_it else span.select(taken)
+                            for span, all_of_it, taken in zip(spans, whole, rows)]).select(order)
+        part = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([len(taken) for taken in rows]))
+        part, index = part[order], torch.cat(rows)[order]
+        return cls(meta.select(order), native.gather_tokens([k for k, _ in tensors], part, index),
+                   native.gather_tokens([v for _, v in tensors], part, index))
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSpan":
         """The same span with its KV on `device` in `dtype` (each None: unchanged); metadata stays on the CPU."""
         move = lambda t: t.to(device=device or t.device, dtype=dtype or t.dtype)  # noqa: E731
@@ -85,58 +105,3 @@ class KVSpan:
     def from_state(cls, state: dict, device: torch.device | str | None = None) -> "KVSpan":
         """The span of a `state()`; its KV tensors are the state's own unless moved to another device."""
         return cls(TokenMeta.from_state(state["meta"]), state["keys"], state["values"]).to(device)
-
-
-@dataclass
-class SpanRows:
-    """Tokens of spans outside the cache in serial order, not copied: token j is token index[j] of
-    sources[part[j]], with `meta` its row. `KVStore.inject` reads them straight into a float layer on the
-    CPU (`ContiguousStorage.place`: a recall's rows travel once, from the archive into the cache) and
-    gathers them into one span elsewhere (`gather`)."""
-
-    meta: TokenMeta
-    sources: list[KVSpan]
-    part: torch.Tensor
-    index: torch.Tensor
-
-    @classmethod
-    def in_serial_order(cls, spans: list[KVSpan], keep: list[torch.Tensor | None] | None = None) -> "SpanRows":
-        """These spans' tokens sorted by serial (spans evicted at different times interleave: the hybrid evicts
-        a message in pieces, runs of 4-5 tokens in a recall); `keep`: per span, a bool mask of the tokens to
-        take (None: all)."""
-        keep = keep or [None] * len(spans)
-        rows = [torch.arange(len(span)) if mask is None else torch.nonzero(mask).flatten() for span, mask in zip(spans, keep)]
-        metas = [span.meta if len(taken) == len(span) else span.meta.select(taken) for span, taken in zip(spans, rows)]
-        meta = metas[0].cat(*metas[1:])
-        order = torch.argsort(meta.serial)
-        part = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([len(taken) for taken in rows]))
-        return cls(meta.select(order), list(spans), part[order], torch.cat(rows)[order])
-
-    @classmethod
-    def of(cls, span: KVSpan) -> "SpanRows":
-        """All of one span, in its order."""
-        return cls(span.meta, [span], torch.zeros(len(span), dtype=torch.long), torch.arange(len(span)))
-
-    def __len__(self) -> int:
-        return len(self.meta)
-
-    @property
-    def serials(self) -> torch.Tensor:
-        return self.meta.serial
-
-    def gather(self) -> KVSpan:
-        """The tokens as one span (a lone source taken whole and in order is handed back uncopied). On the CPU
-        each token is copied once, straight to its place (cache/native.py: gather_tokens); elsewhere the
-        sources are joined, then picked."""
-        if len(self.sources) == 1 and len(self) == len(self.sources[0]) and \
-                bool((self.index == torch.arange(len(self))).all()):
-            return dataclasses.replace(self.sources[0], meta=self.meta)
-        tensors = [(span.keys, span.values) for span in self.sources]
-        if all(k.is_contiguous() and v.is_contiguous() and k.dtype == tensors[0][0].dtype and v.dtype == tensors[0][1].dtype
-               for k, v in tensors) and native.available(*(t for pair in tensors for t in pair)):
-            return KVSpan(self.meta, native.gather_tokens([k for k, _ in tensors], self.part, self.index),
-                          native.gather_tokens([v for _, v in tensors], self.part, self.index))
-        offsets = torch.tensor([0, *[len(span) for span in self.sources[:-1]]]).cumsum(0)
-        joined = KVSpan.cat(self.sources)
-        flat = (offsets[self.part] + self.index).to(joined.keys.device)
-        return KVSpan(self.meta, joined.keys.index_select(2, flat), joined.values.index_select(2, flat))

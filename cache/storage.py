@@ -12,12 +12,9 @@ really held, and `state` / `load_state` save and restore it (`from_state` builds
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from cache.span import KVSpan, SpanRows
 
 GROW = 64  # tokens: capacity grows in steps, so appends rarely reallocate and nbytes stays close to use
 CHUNK = 4096  # tokens per chunk read by attention: the most float KV a compact layer materializes at once
@@ -156,24 +153,21 @@ class ContiguousStorage:
         self.length = start + order.numel()
         return True
 
-    def place(self, span: "KVSpan | SpanRows", layer: int, rotation: tuple[torch.Tensor, torch.Tensor],
+    def place(self, keys: torch.Tensor, values: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
               turned: torch.Tensor) -> bool:
-        """Append a span's tokens for this layer (`layer`: which of the span's layers), read straight from the
-        span (or from each of `SpanRows`' sources), each key turned by `rotation` (cos, sin [n, head_dim]) where
-        `turned` [n] is set: in one pass by the native kernel (cache/native.py). False when it cannot (not on
-        the CPU, another dtype, no compiler): the caller rotates and appends the general way."""
+        """Append a span's rows for this layer (keys and values [kv_heads, n, head_dim]), each key turned by
+        `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in one pass by the native kernel
+        (cache/native.py). False when it cannot (not on the CPU, another dtype, no compiler): the caller
+        rotates and appends the general way."""
         from cache import native
-        from cache.span import SpanRows
 
-        rows = span if isinstance(span, SpanRows) else SpanRows.of(span)
-        sides = [source.keys for source in rows.sources], [source.values for source in rows.sources]
-        if self.keys is None or self.keys.dtype not in native.COMPACT_DTYPES \
-                or not native.available(self.keys, *sides[0], *sides[1]) \
-                or any(t.dtype != self.keys.dtype or not t.is_contiguous() for side in sides for t in side):
+        if self.keys is None or keys.dtype != self.keys.dtype or values.dtype != self.values.dtype \
+                or self.keys.dtype not in native.COMPACT_DTYPES or not native.available(self.keys, keys, values):
             return False
-        start, half = self.claim(len(rows)), self.keys.shape[3] // 2
-        native.place_rows(self.keys[:, :, start:], self.values[:, :, start:], *sides, layer, rows.part, rows.index,
-                          rotation[0][:, :half], rotation[1][:, :half], turned)
+        keys, values = keys.contiguous(), values.contiguous()
+        start, half = self.claim(keys.shape[1]), self.keys.shape[3] // 2
+        native.place_rows(self.keys[:, :, start:], self.values[:, :, start:], keys, values, rotation[0][:, :half],
+                          rotation[1][:, :half], turned)
         return True
 
     def fit(self, reserve: int = 0) -> None:

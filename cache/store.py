@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from cache import native
 from cache.meta import ROLES, TokenMeta
 from cache.rope import Rerotator
-from cache.span import KVSpan, SpanRows
+from cache.span import KVSpan
 from cache.storage import LayerStorage, StorageConfig, held_bytes
 
 if TYPE_CHECKING:
@@ -201,10 +201,10 @@ class KVStore(Cache):
             self.on_evict(span)
 
     @torch.inference_mode()  # the storage was filled by forwards in inference mode
-    def inject(self, spans: KVSpan | list[KVSpan] | SpanRows, turn: int, at: str = "end") -> None:
+    def inject(self, spans: KVSpan | list[KVSpan], turn: int, at: str = "end") -> None:
         """Splice archived spans back in, recalled at `turn`: at the "end" (after the cache, like a note
         retrieved before the user's next message, in the order given: the policy's compaction, then an
-        append; `SpanRows` are read from their sources straight into float layers on the CPU) or "chronological" (each token where it was in the conversation by serial order;
+        append) or "chronological" (each token where it was in the conversation by serial order;
         everything after the earliest one moves up, in one rewrite). The policy first makes room for them
         all, so the budget holds. Keys
         are re-rotated from the spans' positions to where they land; the rows are marked
@@ -214,13 +214,10 @@ class KVStore(Cache):
         self._check_not_frozen("inject")
         if at not in PLACEMENTS:
             raise ValueError(f"unknown placement {at!r}: use one of {', '.join(PLACEMENTS)}")
-        if isinstance(spans, SpanRows):
-            span = spans
-        else:
-            spans = [spans] if isinstance(spans, KVSpan) else [span for span in spans if len(span)]
-            span = KVSpan.cat(spans) if spans else None
-        if span is None or not len(span):
+        spans = [spans] if isinstance(spans, KVSpan) else [span for span in spans if len(span)]
+        if not spans:
             return
+        span = KVSpan.cat(spans)
         if bool(self.holds(span.serials).any()) or span.serials.unique().numel() != len(span):
             raise ValueError("the spans repeat tokens or hold tokens the cache already has: "
                              "inject span.select(~store.holds(span.serials))")
@@ -291,7 +288,7 @@ class KVStore(Cache):
         importance = meta.importance * (live / mean) if mean > 0 else torch.full_like(meta.importance, live)
         return dataclasses.replace(meta, importance=importance, recalled_at=torch.full_like(meta.recalled_at, turn))
 
-    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | SpanRows | None = None,
+    def _rewrite(self, start: int, order: torch.Tensor | None = None, span: KVSpan | None = None,
                  reserve: int = 0) -> None:
         """The one way the cache is rearranged: tokens [0, start) stay as they are and the rest becomes
         the sources (the span's tokens, if any, then the live tokens from `start` on), picked by `order`
@@ -328,11 +325,9 @@ class KVStore(Cache):
                     continue
             if appended and hasattr(layer.storage, "place") and layer.is_initialized:
                 rotation = rotation or self.rerotator.rotation(delta, layer.device)
-                if layer.storage.place(span, i, rotation, turned):
+                if layer.storage.place(span.keys[i], span.values[i], rotation, turned):
                     layer.storage.fit(reserve)
                     continue
-            if isinstance(span, SpanRows):  # the other ways read one span's KV: gathered once
-                span = span.gather()
             if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
                 kv = None if span is None else tuple(t[i].to(layer.device) if layer.is_initialized else t[i]
                                                      for t in (span.keys, span.values))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cache.meta import TokenMeta
-from cache.span import KVSpan, SpanRows
+from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
 from classifiers.topics import analyse
 from memory.archive import Archive, ArchiveConfig
@@ -276,15 +276,15 @@ class LongTermMemory:
         return missing
 
     def _span(self, missing: list[tuple[int, torch.Tensor]],
-              forget: Callable[[TokenMeta], torch.Tensor] | None) -> SpanRows | None:
-        """The missing tokens of the archived segments, in serial order (the recalled turns oldest first, each
-        in the order it was said), not copied: the splice reads them from the archive's tensors into the
-        cache (`KVStore.inject`), never writing them."""
+              forget: Callable[[TokenMeta], torch.Tensor] | None) -> KVSpan | None:
+        """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
+        each in the order it was said), each token taken copied once into the span (a lone segment in order
+        and whole is handed over uncopied: the splice reads a span and writes the store, never the span)."""
         read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
         if forget is not None:
             read = [(span, mask & ~forget(span.meta)) for span, mask in read]
         read = [(span, mask) for span, mask in read if bool(mask.any())]
-        return SpanRows.in_serial_order(*map(list, zip(*read))) if read else None
+        return KVSpan.in_serial_order(*map(list, zip(*read))) if read else None
 
     def stats(self) -> dict:
         return {"archived_segments": len(self.archive), "archive_kv_bytes": self.archive.nbytes(),

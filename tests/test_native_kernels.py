@@ -211,9 +211,7 @@ def test_a_spliced_layer_equals_torch_rotation_then_append_to_the_bit(dim):
     12,000 random bfloat16 keys turned by scattered deltas: bit for bit (a kernel that rounds the rotation
     another way moves about one key element in 100,000 by a bfloat16 step, which a small model rarely shows);
     for SmolLM2's head size and for one wider than the kernel's vectorized buffers (its element-wise path)."""
-    from cache.meta import TokenMeta
     from cache.rope import Rerotator
-    from cache.span import KVSpan
     from cache.storage import ContiguousStorage
 
     generator = torch.Generator().manual_seed(8)
@@ -226,8 +224,7 @@ def test_a_spliced_layer_equals_torch_rotation_then_append_to_the_bit(dim):
     fast, slow = ContiguousStorage(), ContiguousStorage()
     for storage in (fast, slow):
         storage.append(held, held)
-    span = KVSpan(TokenMeta.new(4000, 0, 1, "user", 1), keys[None], values[None])
-    assert fast.place(span, 0, rotation, delta != 0)
+    assert fast.place(keys, values, rotation, delta != 0)
     slow.append(rerotator.shift(keys[None], rotation), values[None])
     assert torch.equal(fast.fetch()[0], slow.fetch()[0]) and torch.equal(fast.fetch()[1], slow.fetch()[1])
 

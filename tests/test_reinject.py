@@ -15,8 +15,7 @@ from agent import Agent, AgentConfig
 from agent.engine import forward_forks, prefill
 from cache.meta import TokenMeta
 from cache.policies import HybridConfig
-from cache import native
-from cache.span import KVSpan, SpanRows
+from cache.span import KVSpan
 from memory.embedder import shared_embedder
 from memory.recall import LongTermMemory
 from cache.storage import StorageConfig
@@ -117,10 +116,8 @@ def test_sink_receives_exactly_the_evicted_tokens_with_their_kv(tiny):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interleaved_spans_come_back_in_serial_order_each_token_once(tiny, dtype):
-    """Spans evicted at different times interleave (the hybrid evicts a message in pieces): picked in serial
-    order (`SpanRows`) and gathered, they equal joining them and sorting, on the CPU's one-copy gather and on
-    torch's path alike; with masks, only the tokens they keep. Spliced at the end straight from the spans, the
-    cache holds what splicing the gathered span gives."""
+    """Spans evicted at different times interleave (the hybrid evicts a message in pieces): joined in serial
+    order they equal joining them and sorting, on the CPU's one-copy gather and on torch's path alike."""
     store = store_for(tiny, storage=StorageConfig(str(dtype).removeprefix("torch.")))
     converse(tiny, store, [6, 30, 30])
     spans = evict(store, torch.arange(2, 66, 3)) + evict(store, torch.arange(3, 30, 4))
@@ -128,40 +125,19 @@ def test_interleaved_spans_come_back_in_serial_order_each_token_once(tiny, dtype
     shuffled = [spans[k] for k in torch.randperm(len(spans), generator=torch.Generator().manual_seed(1)).tolist()]
     joined = KVSpan.cat(shuffled)
     want = joined.select(torch.argsort(joined.serials))
-    for native_on in ("1", "0"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("PALACE_NATIVE", native_on)
-            native.library.cache_clear()
-            got = SpanRows.in_serial_order(shuffled).gather()
-        native.library.cache_clear()
-        assert got.serials.tolist() == sorted(joined.serials.tolist())
-        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
-        assert got.keys.dtype == dtype and torch.equal(got.meta.position, want.meta.position)
-    assert SpanRows.in_serial_order([want]).gather().keys is want.keys  # one span already in order: not copied
+    got = KVSpan.in_serial_order(shuffled)
+    assert got.serials.tolist() == sorted(joined.serials.tolist())
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert got.keys.dtype == dtype and torch.equal(got.meta.position, want.meta.position)
+    assert KVSpan.in_serial_order([want]) is want  # one span already in order: handed back, not copied
     keep = [torch.rand(len(span), generator=torch.Generator().manual_seed(k)) < 0.5 for k, span in enumerate(shuffled)]
     keep[0] = None  # all of it
     cut = KVSpan.cat([span if mask is None else span.select(mask) for span, mask in zip(shuffled, keep)])
     want = cut.select(torch.argsort(cut.serials))
-    rows = SpanRows.in_serial_order(shuffled, keep)
-    got = rows.gather()
+    got = KVSpan.in_serial_order(shuffled, keep)
     assert len(got) < len(joined) and got.serials.tolist() == sorted(cut.serials.tolist())
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert torch.equal(got.meta.position, want.meta.position) and torch.equal(got.meta.turn, want.meta.turn)
-    direct, copied, by_torch = (store_for(tiny, storage=StorageConfig(str(dtype).removeprefix("torch."))) for _ in range(3))
-    for target in (direct, copied, by_torch):  # the same conversation and evictions as `store`
-        converse(tiny, target, [6, 30, 30])
-        evict(target, torch.arange(2, 66, 3)) + evict(target, torch.arange(3, 30, 4))
-    direct.inject(rows, turn=2)
-    copied.inject(got, turn=2)
-    with pytest.MonkeyPatch.context() as patch:  # no kernels: the rows gathered, rotated and appended by torch
-        patch.setenv("PALACE_NATIVE", "0")
-        native.library.cache_clear()
-        by_torch.inject(rows, turn=2)
-    native.library.cache_clear()
-    for other in (copied, by_torch):
-        assert torch.equal(direct.meta.serial, other.meta.serial) and torch.equal(direct.meta.position, other.meta.position)
-        for a, b in zip(direct.layers, other.layers):
-            assert all(torch.equal(x, y) for x, y in zip(a.storage.fetch(), b.storage.fetch()))
 
 
 def test_serials_are_never_reused_and_forks_roll_them_back(tiny):
