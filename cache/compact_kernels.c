@@ -1,8 +1,8 @@
-/* In-place compaction of one layer's contiguous keys and values, in one pass: row j of every head takes
- * row index[j], and a key is turned by its row's rotation on the way (re-rotation to its new position).
- * torch needs a gather into new tensors, a rotation over them and a copy back, op by op and layer by
- * layer; at a 1K-token cache that is most of a splice's time. Built by cache/native.py with the quantized
- * attention kernels. */
+/* Moving rows of a layer's contiguous keys and values in one pass, each key turned on the way (re-rotation
+ * to its new position): a compaction in place and a splice from a span (move_rows), what a compaction evicts
+ * read out of every layer (gather_layer_rows), and a recall's interleaved spans put in order (gather_tokens).
+ * torch needs a gather into new tensors, a rotation over them and a copy back, op by op and layer by layer.
+ * Built by cache/native.py with the quantized attention kernels. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -80,24 +80,31 @@ static inline void turn_row(char *to, const char *from, int rotate, const float 
     }
 }
 
-/* keys, values: the layer's [heads][head_stride] buffers from the first row rewritten; element size 4
- * (float32) or 2 (bfloat16, `bf16` set). Row j = 0..n-1 takes row index[j]: ascending with index[j] >= j,
- * so every read is ahead of every write before it. Where rotate[j], the key is turned by cos/sin
- * [n][dim/2] (turn_row). */
-void compact_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16,
-                  const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate,
-                  int threads) {
+/* Move rows into one layer's keys and values (its [heads][head_stride] buffers from the first row written):
+ * row j of every head takes row index[j] (or row j where index is NULL) of the source buffers, whose heads lie
+ * source_stride elements apart; where rotate[j], the key is turned by cos/sin [n][dim/2] on the way
+ * (turn_row, `fused` as it says). Element size 4 (float32) or 2 (bfloat16, `bf16` set).
+ * - A compaction, in place: the source is the layer itself, index ascending with index[j] >= j, so every read
+ *   is ahead of every write before it (torch needs a gather into new tensors, a rotation over them and a copy
+ *   back, op by op and layer by layer; at a 1K-token cache that is most of a splice's time).
+ * - A splice at the end: the source is a span's [heads][n][dim] rows of this layer, no index: one pass over the
+ *   span, not a rotation into temporaries and a copy. */
+void move_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const void *source_keys,
+               const void *source_values, int64_t source_stride, const int64_t *index, int n, const float *cos,
+               const float *sin, const uint8_t *rotate, int fused, int threads) {
     const int half = dim / 2;
     const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int h = 0; h < heads; h++) {
         char *kbase = (char *)keys + (size_t)h * head_stride * size;
         char *vbase = (char *)values + (size_t)h * head_stride * size;
+        const char *kfrom = (const char *)source_keys + (size_t)h * source_stride * size;
+        const char *vfrom = (const char *)source_values + (size_t)h * source_stride * size;
         for (int j = 0; j < n; j++) {
-            const int64_t src = index[j];
-            if (src != j) memcpy(vbase + (size_t)j * row_bytes, vbase + (size_t)src * row_bytes, row_bytes);
-            turn_row(kbase + (size_t)j * row_bytes, kbase + (size_t)src * row_bytes, rotate[j], cos + (size_t)j * half,
-                     sin + (size_t)j * half, half, bf16, row_bytes, 0);
+            const size_t to = (size_t)j * row_bytes, from = (size_t)(index ? index[j] : j) * row_bytes;
+            if (vbase + to != vfrom + from) memcpy(vbase + to, vfrom + from, row_bytes);
+            turn_row(kbase + to, kfrom + from, rotate[j], cos + (size_t)j * half, sin + (size_t)j * half, half, bf16,
+                     row_bytes, fused);
         }
     }
 }
@@ -115,27 +122,6 @@ void gather_tokens(char *out, const int64_t *sources, const int64_t *lengths, in
             const char *from = (const char *)(intptr_t)sources[p] + ((size_t)r * lengths[p] + index[j]) * row_bytes;
             memcpy(to + (size_t)j * row_bytes, from, row_bytes);
         }
-    }
-}
-
-/* Append n rows to one layer's buffers: row j of every head goes to row j of `keys` / `values` (the
- * layer's [heads][head_stride] buffers from the first row written), from a span's [heads][n][dim] rows;
- * a key is turned by its row's rotation on the way where rotate[j] (cos/sin [n][dim/2], as compact_rows).
- * A splice at the end is then one pass over the span, not a rotation into temporaries and a copy. */
-void place_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const void *span_keys,
-                const void *span_values, int n, const float *cos, const float *sin, const uint8_t *rotate,
-                int threads) {
-    const int half = dim / 2;
-    const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int h = 0; h < heads; h++) {
-        char *kbase = (char *)keys + (size_t)h * head_stride * size;
-        char *vbase = (char *)values + (size_t)h * head_stride * size;
-        const char *kspan = (const char *)span_keys + (size_t)h * n * row_bytes;
-        memcpy(vbase, (const char *)span_values + (size_t)h * n * row_bytes, (size_t)n * row_bytes);
-        for (int j = 0; j < n; j++)
-            turn_row(kbase + (size_t)j * row_bytes, kspan + (size_t)j * row_bytes, rotate[j], cos + (size_t)j * half,
-                     sin + (size_t)j * half, half, bf16, row_bytes, 1);
     }
 }
 

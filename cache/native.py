@@ -1,5 +1,6 @@
 """The C kernels of `quant_kernels.c` (quantized keys' scores and values' weighted sum for a few queries),
-`compact_kernels.c` (a float layer's compaction with its re-rotation, in place and in one pass),
+`compact_kernels.c` (a float layer's rows moved with their re-rotation in one pass: a compaction in place, a
+splice; gathers of evicted and recalled rows),
 `attention_kernels.c` (one new token's attention over a float32 layer, with the mass each key receives) and
 `agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode; int4 weights
 times activations quantized per group, by integer dot products), compiled
@@ -42,9 +43,8 @@ KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels na
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
-              "compact_rows": [_p, _p, _i, _i64, _i, _i, _p, _i, _p, _p, _p, _i],
+              "move_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _i64, _p, _i, _p, _p, _p, _i, _i],
               "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
-              "place_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _i, _p, _p, _p, _i],
               "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
@@ -177,26 +177,29 @@ def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, 
     """In place, for every head: row j of keys and values [1, heads, rows, dim] (a layer's buffers from the
     first row rewritten, rows contiguous in each head) takes row index[j] (ascending, index[j] >= j), and
     the keys where `rotate` [n] is set are turned by cos / sin [n, dim / 2]. float32 or bfloat16."""
-    heads, dim = keys.shape[1], keys.shape[3]
     index = index.to(torch.int64).contiguous()
-    cos, sin = _dense(cos), _dense(sin)
-    rotate = rotate.to(torch.uint8).contiguous()
-    library().compact_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim,
-                           COMPACT_DTYPES[keys.dtype], index.data_ptr(), index.numel(), cos.data_ptr(),
-                           sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+    _move_rows(keys, values, keys, values, keys.stride(1), index, index.numel(), cos, sin, rotate, fused=False)
 
 
 def place_rows(keys: torch.Tensor, values: torch.Tensor, span_keys: torch.Tensor, span_values: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> None:
     """Row j of every head of keys and values [1, heads, rows, dim] (a layer's buffers from the first row
     written, rows contiguous in each head) takes row j of span_keys / span_values [heads, n, dim]
-    (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate` [n] is set."""
+    (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate` [n] is set,
+    rounded as torch's out-of-place rotation (cache/rope.py) rounds it."""
+    _move_rows(keys, values, span_keys, span_values, span_keys.stride(0), None, span_keys.shape[1], cos, sin, rotate,
+               fused=True)
+
+
+def _move_rows(keys: torch.Tensor, values: torch.Tensor, source_keys: torch.Tensor, source_values: torch.Tensor,
+               source_stride: int, index: torch.Tensor | None, n: int, cos: torch.Tensor, sin: torch.Tensor,
+               rotate: torch.Tensor, fused: bool) -> None:
     heads, dim = keys.shape[1], keys.shape[3]
     cos, sin = _dense(cos), _dense(sin)
     rotate = rotate.to(torch.uint8).contiguous()
-    library().place_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim, COMPACT_DTYPES[keys.dtype],
-                         span_keys.data_ptr(), span_values.data_ptr(), span_keys.shape[1], cos.data_ptr(),
-                         sin.data_ptr(), rotate.data_ptr(), torch.get_num_threads())
+    library().move_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim, COMPACT_DTYPES[keys.dtype],
+                        source_keys.data_ptr(), source_values.data_ptr(), source_stride, _ptr(index), n,
+                        cos.data_ptr(), sin.data_ptr(), rotate.data_ptr(), int(fused), torch.get_num_threads())
 
 
 def gather_layer_rows(layers: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
