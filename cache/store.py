@@ -318,14 +318,10 @@ class KVStore(Cache):
         # a splice at the end (span rows after every live one) is written straight into the storage where it can
         appended = span is not None and order is None and start == self.length
         for i, layer in enumerate(self.layers):
-            if in_place and hasattr(layer.storage, "compact") and layer.is_initialized:
+            if (in_place or appended) and hasattr(layer.storage, "place") and layer.is_initialized:  # contiguous float
                 rotation = rotation or self.rerotator.rotation(delta, layer.device)
-                if layer.storage.compact(start, order, rotation, turned):
-                    layer.storage.fit(reserve)
-                    continue
-            if appended and hasattr(layer.storage, "place") and layer.is_initialized:
-                rotation = rotation or self.rerotator.rotation(delta, layer.device)
-                if layer.storage.place(span.keys[i], span.values[i], rotation, turned):
+                if layer.storage.compact(start, order, rotation, turned) if in_place else \
+                        layer.storage.place(span.keys[i], span.values[i], rotation, turned):
                     layer.storage.fit(reserve)
                     continue
             if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself

@@ -569,7 +569,7 @@ def render_part_b(result: dict) -> list[str]:
 def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str | None = None,
               echo: Callable[[str], None] = print) -> dict:
     """Load the model on CPU in float32, run the parts asked for, print the tables, write JSON."""
-    from agent.model import load_model
+    from agent.model import load_model, resolve_dtype
 
     threads = set_threads(config.threads)
     loaded = load_model(model_spec, "cpu", "float32")
@@ -599,7 +599,8 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
         from agent.bench.memory_part import DEFAULT_DIALOGUE, part_c, render_part_c
 
         echo("\nPart C: memory work per turn, hybrid+palace against the hybrid alone (same dialogue, same run)")
-        memory_loaded = loaded if config.memory_dtype == "float32" else load_model(model_spec, "cpu", config.memory_dtype)
+        same = resolve_dtype(config.memory_dtype) == loaded.dtype  # "auto" is float32 on CPUs without bfloat16
+        memory_loaded = loaded if same else load_model(model_spec, "cpu", config.memory_dtype)
         result["part_c"] = part_c(memory_loaded, config.memory_turns, log,
                                   Path(config.memory_dialogue) if config.memory_dialogue else DEFAULT_DIALOGUE)
         echo("\n".join(render_part_c(result["part_c"])))

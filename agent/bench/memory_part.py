@@ -94,7 +94,8 @@ def render_part_c(result: dict) -> list[str]:
     palace = result["runs"]["hybrid+palace"]
     hybrid = result["runs"]["hybrid"]
     lines = [f"{result['turns']} turns of {result['dialogue']} at a {result['budget_tokens']}-token budget "
-             f"(25 % of {result['full_tokens']}), model and KV in {result['dtype']}", f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
+             f"(25 % of {result['full_tokens']}), model and KV in {result['dtype']}",
+             f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
     for step, row in palace["steps"].items():
         lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):30} "
                      f"{row['p50']:>8.1f} {row['p95']:>8.1f}")
