@@ -32,6 +32,7 @@ USER = "user"
 DECAY = 0.2  # salience kept per turn gone by
 SLOW = 0.95  # the same for a dialogue's standing topics ("the parcel" of a courier chat), which "it" still means later
 STANDING = 0.05  # how much the standing topics weigh against the turn's focus
+_CLOSED = re.compile(r"\s*(?:[,.;:!?)]|$)")  # what ends a name said in apposition: "my best man, Gareth Lewis, needs"
 _APPOSITION = re.compile(r"[\s,]*(?:(?:is|was|will be|called|named|who is|,|:)\s*)?", re.I)  # between a phrase and its name
 ROLE_WEIGHT = {"user": 1.0, "assistant": 1.0}
 DENIED = 0.2  # what a mention weighs when the text says it is not the one ("..., not 37 Larch Close")
@@ -79,6 +80,8 @@ class Entity:
     relation: str | None = None  # "daughter" for "my daughter Ellie"
     gender: str | None = None  # "female" for "Esme, she's 9": from a relation or the pronoun that follows the name
     aliases: set[str] = field(default_factory=set)  # head nouns it was named with: "boiler" for "the boiler, a Thermara"
+    same_as: str | None = None  # a noun phrase's entity said in apposition to a name: that name's key ("the
+    # trainee solicitor, Mr Wierzbicki"), what a later "the trainee" or "he" means
     mentions: list[tuple[int, float]] = field(default_factory=list)  # (turn, weight)
 
     def salience(self, now: int) -> float:
@@ -205,7 +208,7 @@ class EntityGraph:
         node = self.graph.nodes[f"turn:{turn}"]
         node["text"] = f"{node.get('text', '')} {_key(text)} "  # its words, to find where an entity was last named
         named: list[tuple[Entity, int, int]] = []
-        nouns: list[tuple[str, int, int]] = []  # head nouns of noun phrases, with where they were
+        nouns: list[tuple[Entity, int, int]] = []  # the entities of noun phrases, with where they were
         denied = [(m.start(1), m.end(1)) for m in _NOT_VALUE.finditer(text)]  # "70 Poplar Lane, not 37 Larch Close"
         for name, kind, head, relation, start, end, proper in self._found(text, role, spans, node["text"]):
             entity = self._entity(name, kind, head, relation)
@@ -213,7 +216,7 @@ class EntityGraph:
             entity.mentions.append((turn, weight))
             self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="mentions", role=role, turn=turn)
             if not proper:
-                nouns.append((head, start, end))
+                nouns.append((entity, start, end))
             elif kind not in ("date", "amount", "contact", "address"):
                 named.append((entity, start, end))
         self._link(text, named, nouns)
@@ -255,7 +258,7 @@ class EntityGraph:
                 found.append((" ".join(words), kind, head, head if head in RELATIONS else None, start, end, False))
         return found
 
-    def _link(self, text: str, named: list[tuple[Entity, int, int]], nouns: list[tuple[str, int, int]]) -> None:
+    def _link(self, text: str, named: list[tuple[Entity, int, int]], nouns: list[tuple[Entity, int, int]]) -> None:
         """What a text says about the names in it: the nouns they are called by ("claim CLM-77120", "the
         engineer, Kieran"), the relation a name is introduced with ("My mother-in-law is coming. Dorothy
         Keane, 71"; "My husband ... His name is Tomasz"), and a gender from the pronoun that follows."""
@@ -264,13 +267,18 @@ class EntityGraph:
             entity.aliases.update(_lead_nouns(text, start))
             if entity.kind in ("name", "person") and entity.relation is None and _THEIR_NAME.search(text[:start]):
                 self._name_relation(entity, _THEIR_NAME.search(text[:start]).group(1).lower())
-        for head, start, end in nouns:
+        for noun, start, end in nouns:
+            head = noun.head
             for entity, name_start, name_end in named:
                 between = text[end:name_start] if name_start >= end else text[name_end:start]
                 compound = name_start < end and not between.strip()  # "a Brightwater warranty" is no Brightwater
                 if len(between) < 20 and _APPOSITION.fullmatch(between) and not compound:
                     entity.aliases.add(head)
-                    self.graph.add_edge(f"entity:{entity.key}", f"entity:{_key(head)}", kind="alias")
+                    self.graph.add_edge(f"entity:{entity.key}", f"entity:{noun.key}", kind="alias")
+                    if entity.kind != "code" and noun is not entity and _CLOSED.match(text, name_end) \
+                            and not text[name_start:name_end].endswith("'s"):
+                        noun.same_as = entity.key  # a code keeps its noun ("the complaint"); "in a gravel scheme,
+                        # Tomasz uses" and "the chair is Dev's" say nothing of who the noun is
             following = min(((s, e) for e, s, _ in named if s >= end and e.kind in ("name", "person")), default=None,
                             key=lambda se: se[0])
             if re.fullmatch(_RELATION, head) and following and _NEXT_SENTENCE.fullmatch(text[end:following[0]]):
@@ -492,8 +500,9 @@ class EntityGraph:
         how, value = want
         used = len(value)
         candidates = [e for e, _ in earlier]
-        if how == "pronoun":
-            scored = [(1, e) for e in _named_instead(candidates) if _compatible(e, value[0])]
+        if how == "pronoun":  # the named entity in place of a noun said in apposition to it, before "she" asks
+            scored = [(1, e) for e in _named_instead([e for _, e in self._named_for([(1, e) for e in candidates])])
+                      if _compatible(e, value[0])]
         elif how == "relation":
             scored = _related(candidates, value[0])
         else:  # a phrase ("the eye test"), "the other address", "the broken one"; "the claim cover" may end in a verb
@@ -505,6 +514,7 @@ class EntityGraph:
                 (m, e) for e, words in earlier if (m := _matches(e, words, stems[:n], how != "one"))])), (used, []))
             if not scored and (how == "one" or not value):  # "that one", "the other one": a thing
                 scored = [(1, e) for e in candidates if _compatible(e, "it")]
+        scored = self._named_for(scored)
         if not scored:
             return None
         word = value[0] if how == "pronoun" else None
@@ -513,6 +523,17 @@ class EntityGraph:
         if how == "other" and len(ranked) > 1:  # "the other address": the best one is the address already in mind
             return ranked[1][1], used
         return ranked[0][1], used
+
+    def _named_for(self, scored: list[tuple[float, Entity]]) -> list[tuple[float, Entity]]:
+        """The candidates with a noun phrase said in apposition to a name replaced by the named entity,
+        each entity once at its best match: "the trainee" means Mr Wierzbicki, not "trainee solicitor"."""
+        best: dict[str, tuple[float, Entity]] = {}
+        for match, entity in scored:
+            named = self.entities.get(entity.same_as) if entity.same_as else None
+            entity = named or entity
+            if entity.key not in best or match > best[entity.key][0]:
+                best[entity.key] = (match, entity)
+        return list(best.values())
 
     # --- saving ----------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -807,8 +828,8 @@ def _chained(resolved: list[tuple[Resolution, Entity]], want: Want) -> tuple[Ent
     ("Can my daughter sit by the window? She gets travel sick")."""
     if want[0] != "pronoun" or want[1][0] not in PERSONAL:
         return None
-    return next(((e, 1) for r, e in reversed(resolved) if r.type in ("relational", "definite") and e.kind == "person"
-                 and _compatible(e, want[1][0])), None)
+    return next(((e, 1) for r, e in reversed(resolved) if r.type in ("relational", "definite") and _someone(e)
+                 and e.kind != "pet" and _compatible(e, want[1][0])), None)
 
 
 def _words_end(text: str, start: int, count: int) -> int:
@@ -875,11 +896,11 @@ def _phrase_at(text: str, start: int, most: int = 3, kinds: bool = False) -> tup
     lower = [w.lower() for w in raw] + [""]
     words = []
     for i, word in enumerate(lower[:min(most, len(raw))]):
-        if "'" in word.removesuffix("'s") or word in STOPWORDS or word in _VERBS or word in _NUMBERS or i and (
+        if "'" in word.removesuffix("'s") or not _CONTENT.search(word) or word in STOPWORDS or word in _VERBS or word in _NUMBERS or i and (
                 word.endswith(("ed", "ing", "ly")) or word in _NOT_THINGS and not (kinds and word in _KIND_WORDS)
                 or word.endswith("s") and not word.endswith("ss") and (lower[i + 1] in _OBJECTS
                                                                        or lower[i + 1][:1].isdigit())):
-            break  # "don't", "the boiler stopped", "that branch last time", "the coach collects you"
+            break  # "don't", "a chair - Dev", "the boiler stopped", "that branch last time", "the coach collects you"
         words.append(word.removesuffix("'s"))
         if word.endswith("'s"):  # "my mum's boiler": the mum
             break

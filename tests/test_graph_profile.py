@@ -155,6 +155,19 @@ def test_a_relation_named_in_a_later_sentence_resolves_to_the_name():
     assert resolved["my mother-in-law"] == ("Gwendolyn Marsh", 1)
 
 
+def test_a_noun_said_in_apposition_to_a_name_means_that_person_later():
+    graph = rules_graph((0, "Also, my best man, Gareth Lewis, needs his trousers taking up.", "Of course."),
+                        (1, "A trainee solicitor, Mr Tomasz Wierzbicki, joins on Monday.", "Noted."))
+    assert resolved_in(graph, 2, "Can the trainee have a laptop?")["the trainee"] == ("Mr Tomasz Wierzbicki", 1)
+    resolved = resolved_in(graph, 3, "Can the best man come in on Friday? Will he need to book?")
+    assert resolved["the best man"] == ("Gareth Lewis", 0) and resolved["he"] == ("Gareth Lewis", 0)
+    # a name that goes on with a verb, or owns the noun, was not said in apposition to it
+    graph = rules_graph((0, "For a gravel scheme, Tomasz often uses Euphorbia."),
+                        (1, "We've got a broken desk chair - Dev", "We can take it."),
+                        (2, "The chair is Dev's, for the record.", "Noted."))
+    assert not any(e.same_as for e in graph.entities.values())
+
+
 def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
     graph = rules_graph((0, "My lamp arrived smashed.", "Sorry! I've opened claim QX-4410 for the lamp, Ms Oduya."),
                         (1, "Thanks.", "You're welcome."))
