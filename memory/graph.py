@@ -439,6 +439,24 @@ class EntityGraph:
                     end = _words_end(text, match.end() - len(match.group(0).split()[-1]), used)
                 out.append((Resolution(text[match.start():end], match.start(), kind, entity.name,
                                        self._antecedent(entity, turn)), entity))
+        return out + self._bare(turn, text, earlier, [r.start for r, _ in out])
+
+    def _bare(self, turn: int, text: str, earlier: list[tuple[Entity, set[str]]],
+              taken: list[int]) -> list[tuple[Resolution, Entity]]:
+        """Noun phrases that open a sentence without a determiner, as terse messages write them ("Banners: 2 of
+        them", "Certificate came today", "Netting quote?"): a reference when an earlier entity goes by the
+        phrase's head noun (all its words matched, nothing said before it in the sentence)."""
+        out = []
+        for opening in _OPENING.finditer(text):
+            start = opening.end()
+            words, end = _phrase_at(text, start, 2)
+            if not words or start in taken or words[0] in _COMMON_STARTS or _inside(start, end, [
+                    (r, r + 1) for r in taken]):
+                continue
+            found = self._best(turn, ("phrase", tuple(words)), earlier)
+            if found and found[1] == len(words):
+                out.append((Resolution(text[start:end], start, "definite", found[0].name,
+                                       self._antecedent(found[0], turn)), found[0]))
         return out
 
     def _named_here(self, text: str, names: list[tuple[int, str]], at: int,
@@ -610,6 +628,7 @@ def _learn_genders(text: str, named: list[tuple[Entity, int, int]]) -> None:
             entity.kind = "person" if entity.kind == "name" else entity.kind
 
 
+_OPENING = re.compile(r"(?:^|[.!?:;\n]\s*|\s-\s|^[-*•]\s*)(?=[A-Za-z])", re.M)  # where a sentence or a list item opens
 _THEIR_NAME = re.compile(r"\b(his|her)\s+name(?:'s|\s+is)\s*$", re.I)
 _NEXT_SENTENCE = re.compile(r"[^.!?]{0,100}[.!?]\s+")  # the rest of a sentence: what comes next starts the next one
 _NAME_AFTER = re.compile(r",?\s+(?:(?:is|was|called|named)\s+)?([A-Z][a-z]+(?:\s+[A-Z][a-z]+)?)")

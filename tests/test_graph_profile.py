@@ -168,6 +168,14 @@ def test_a_noun_said_in_apposition_to_a_name_means_that_person_later():
     assert not any(e.same_as for e in graph.entities.values())
 
 
+def test_a_bare_noun_opening_a_terse_sentence_refers_to_the_entity_named_before():
+    graph = rules_graph((0, "Quote for roller banners please, 850 x 2000 mm.", "The roller banners are £48 each."),
+                        (1, "Also need a certificate for the insurer.", "I'll add the certificate."))
+    resolved = resolved_in(graph, 2, "Banners: make it 3. Certificate by Friday?")
+    assert resolved["Banners"] == ("roller banners", 0) and resolved["Certificate"] == ("certificate", 1)
+    assert "Thanks" not in resolved_in(graph, 3, "Thanks. Pigeons next.")  # nothing earlier goes by these
+
+
 def test_the_claim_is_the_code_it_was_opened_as_and_a_pronoun_that_is_a_thing():
     graph = rules_graph((0, "My lamp arrived smashed.", "Sorry! I've opened claim QX-4410 for the lamp, Ms Oduya."),
                         (1, "Thanks.", "You're welcome."))
