@@ -439,10 +439,10 @@ class EntityGraph:
                     end = _words_end(text, match.end() - len(match.group(0).split()[-1]), used)
                 out.append((Resolution(text[match.start():end], match.start(), kind, entity.name,
                                        self._antecedent(entity, turn)), entity))
-        return out + self._bare(turn, text, earlier, [r.start for r, _ in out])
+        return out + self._bare(turn, text, earlier, [(r.start, r.start + len(r.span)) for r, _ in out])
 
     def _bare(self, turn: int, text: str, earlier: list[tuple[Entity, set[str]]],
-              taken: list[int]) -> list[tuple[Resolution, Entity]]:
+              taken: list[tuple[int, int]]) -> list[tuple[Resolution, Entity]]:
         """Noun phrases that open a sentence without a determiner, as terse messages write them ("Banners: 2 of
         them", "Certificate came today", "Netting quote?"): a reference when an earlier entity goes by the
         phrase's head noun (all its words matched, nothing said before it in the sentence)."""
@@ -450,8 +450,7 @@ class EntityGraph:
         for opening in _OPENING.finditer(text):
             start = opening.end()
             words, end = _phrase_at(text, start, 2)
-            if not words or start in taken or words[0] in _COMMON_STARTS or _inside(start, end, [
-                    (r, r + 1) for r in taken]):
+            if not words or words[0] in _COMMON_STARTS or _inside(start, end, taken):  # resolved already
                 continue
             found = self._best(turn, ("phrase", tuple(words)), earlier)
             if found and found[1] == len(words):
@@ -518,9 +517,9 @@ class EntityGraph:
         how, value = want
         used = len(value)
         candidates = [e for e, _ in earlier]
-        if how == "pronoun":  # the named entity in place of a noun said in apposition to it, before "she" asks
-            scored = [(1, e) for e in _named_instead([e for _, e in self._named_for([(1, e) for e in candidates])])
-                      if _compatible(e, value[0])]
+        if how == "pronoun":  # a noun said in apposition to a name stands for it before "she" asks
+            named = [e for _, e in self._named_for([(1, e) for e in candidates])]
+            scored = [(1, e) for e in _named_instead(named) if _compatible(e, value[0])]
         elif how == "relation":
             scored = _related(candidates, value[0])
         else:  # a phrase ("the eye test"), "the other address", "the broken one"; "the claim cover" may end in a verb
@@ -532,7 +531,7 @@ class EntityGraph:
                 (m, e) for e, words in earlier if (m := _matches(e, words, stems[:n], how != "one"))])), (used, []))
             if not scored and (how == "one" or not value):  # "that one", "the other one": a thing
                 scored = [(1, e) for e in candidates if _compatible(e, "it")]
-        scored = self._named_for(scored)
+        scored = self._named_for(scored)  # a phrase or relation matched the noun's own words first
         if not scored:
             return None
         word = value[0] if how == "pronoun" else None
@@ -915,7 +914,8 @@ def _phrase_at(text: str, start: int, most: int = 3, kinds: bool = False) -> tup
     lower = [w.lower() for w in raw] + [""]
     words = []
     for i, word in enumerate(lower[:min(most, len(raw))]):
-        if "'" in word.removesuffix("'s") or not _CONTENT.search(word) or word in STOPWORDS or word in _VERBS or word in _NUMBERS or i and (
+        if "'" in word.removesuffix("'s") or not _CONTENT.search(word) or word in STOPWORDS or word in _VERBS \
+                or word in _NUMBERS or i and (
                 word.endswith(("ed", "ing", "ly")) or word in _NOT_THINGS and not (kinds and word in _KIND_WORDS)
                 or word.endswith("s") and not word.endswith("ss") and (lower[i + 1] in _OBJECTS
                                                                        or lower[i + 1][:1].isdigit())):
