@@ -301,6 +301,14 @@ def eval_(
     memory_share: Optional[float] = typer.Option(None, "--memory-share",
                                                  help="+memory: most of the budget one recall re-injects (default: "
                                                  "MemoryConfig.share)."),
+    memory_threshold: Optional[float] = typer.Option(None, "--memory-threshold",
+                                                     help="+memory: least cosine similarity of an archived message "
+                                                     "to the user's turn for it to be recalled as similar "
+                                                     "(default: MemoryConfig.threshold)."),
+    notes_placement: str = typer.Option("newest", "--notes-placement",
+                                        help="+notes, +palace: where the notes' KV sits: newest (encoded before "
+                                        "the next user turn) or front (after the system prompt, the rest "
+                                        "re-rotated)."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX "
@@ -318,14 +326,16 @@ def eval_(
     from agent.eval.report import plot, table
     from agent.eval.workers import ModelSpec, WorkerPool, default_workers
     from cache.policies import Budget
+    from memory.profile import ProfileConfig
     from memory.recall import MemoryConfig
 
     make_parents(json_path, plot_path)  # before the run, not after it
     dialogues = load_dialogues(files)[:limit]
     config = EvalConfig(policies=[p.strip() for p in policy.split(",")], budget=Budget.parse(budget),
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id,
-                        memory=MemoryConfig(placement=memory_placement, unit=memory_unit,
-                                            **({} if memory_share is None else {"share": memory_share})))
+                        memory=MemoryConfig(placement=memory_placement, unit=memory_unit, **{
+                            name: value for name, value in (("share", memory_share), ("threshold", memory_threshold))
+                            if value is not None}), notes=ProfileConfig(placement=notes_placement))
     loaded = load_model(model, device, dtype)
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None

@@ -372,8 +372,27 @@ class Agent:
             if bool(stale.any()):
                 self.store.make_room(0, drop=stale)
             self._charge("graph_reply", started)
+        if self.config.profile is not None and self.config.profile.placement == "front":
+            self._notes_to_front()
         if self.memory is not None:
             self.memory.settle()
+
+    def _notes_to_front(self) -> None:
+        """Move the notes' KV from where they were encoded (before the newest user header) to the front: after
+        the system message, before its user header, the tokens between re-rotated (`ProfileConfig.placement`)."""
+        turns = self.store.meta.turn.cpu()
+        notes = turns == NOTES_TURN
+        if not bool(notes.any()):
+            return
+        started = time.perf_counter()
+        system = torch.nonzero(turns == -1).flatten()
+        header = len(self.format.closing_note_header("")[2])  # the first user header closes the system prompt
+        rank = torch.full((len(turns),), 3)
+        rank[system[: max(0, len(system) - header)]] = 0
+        rank[notes] = 1
+        rank[system[max(0, len(system) - header):]] = 2
+        self.store.reorder(torch.argsort(rank, stable=True))
+        self._charge("notes", started)
 
     def _feed_note(self, ids: list[int], turn: int) -> None:
         """Re-prefill recalled tokens as text (the memory's "text" baseline), as part of the user's turn."""

@@ -246,6 +246,20 @@ class KVStore(Cache):
             self._rewrite(start, order=order, span=span)
         self.next_logits = None
 
+    @torch.inference_mode()
+    def reorder(self, order: torch.Tensor) -> None:
+        """Put the live tokens in this order (a permutation of 0..length-1), keys re-rotated to where they
+        land, in one rewrite from the first token that moves. Nothing is evicted. The cached logits no
+        longer predict the next token (its context moved), so `next_logits` is cleared."""
+        self._check_not_frozen("reorder")
+        order = order.to(torch.long).cpu()
+        if order.numel() != self.length or not torch.equal(torch.sort(order).values, torch.arange(self.length)):
+            raise ValueError(f"reorder needs a permutation of the cache's {self.length} tokens, got {order.numel()}")
+        if bool((order[1:] > order[:-1]).all()):
+            return
+        self._rewrite(0, order=order)
+        self.next_logits = None
+
     def touch(self, turns: list[int], turn: int) -> int:
         """Mark the live tokens of these dialogue turns as recalled at `turn`: a turn that recall brings
         back is used now as a whole, so the room made for its missing tokens is not taken from the part

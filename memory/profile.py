@@ -19,6 +19,9 @@ from memory.graph import EntityGraph, Fact
 from memory.summaries import RunningSummary
 
 
+NOTES_PLACEMENTS = ("newest", "front")
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
     share: float = 0.08  # of the budget: the most tokens the notes take (the permanent tier is 5-10 %)
@@ -26,10 +29,14 @@ class ProfileConfig:
     max_tokens: int = 160
     summary_every: int = 5  # user turns per running-summary keyframe
     superseded: bool = False  # also say what a corrected value replaced ("corrected, not 2QE"), not just "corrected"
+    placement: str = "newest"  # where the notes' KV sits: "newest" (encoded before the next user turn, drifting
+    # back as turns follow) or "front" (moved after the system prompt, the rest re-rotated; README, "What must persist")
 
     def __post_init__(self) -> None:
         if not 0 < self.share < 0.5:
             raise ValueError(f"profile share {self.share} must be in (0, 0.5)")
+        if self.placement not in NOTES_PLACEMENTS:
+            raise ValueError(f"unknown notes placement {self.placement!r}: use one of {', '.join(NOTES_PLACEMENTS)}")
 
     def cap(self, budget: int | None) -> int:
         if budget is None:

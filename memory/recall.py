@@ -59,6 +59,8 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if not 0 < self.share <= 1:
             raise ValueError(f"memory share {self.share} must be in (0, 1]")
+        if not -1 <= self.threshold <= 1:
+            raise ValueError(f"memory threshold {self.threshold} must be a cosine similarity, in [-1, 1]")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.reinject not in ("kv", "text"):

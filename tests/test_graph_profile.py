@@ -248,10 +248,14 @@ SCRIPT = [("Hi, I'm Dana Whitfield, order BX-40912. My boiler stopped working.",
           ("Can you send the invoice there as well?", "Yes, it will go there.")]
 
 
-def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
+@pytest.mark.parametrize("placement", ["newest", "front"])
+def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded, placement):
+    """Wherever the notes sit: one block, replaced as they change, within their cap and the budget; at the
+    front it is framed as a system message between the system prompt and the first user header."""
     budget = 300
     agent = Agent(embedded, AgentConfig(policy="hybrid", budget_tokens=budget, memory=MemoryConfig(), graph=True,
-                                        profile=ProfileConfig(share=0.3)))
+                                        profile=ProfileConfig(share=0.3, placement=placement)))
+    header = len(agent.format.closing_note_header("")[2])
     seen = []
     for user, reply in SCRIPT:
         teacher_force(agent, user, reply)
@@ -261,6 +265,11 @@ def test_the_notes_kv_is_replaced_not_appended_and_the_budget_holds(embedded):
         assert int(notes.sum()) <= ProfileConfig(share=0.3).cap(budget) + 12  # the text's cap plus its framing
         assert bool(notes.any()) and agent.format.decode(ids).strip().endswith(agent.notes.strip())
         assert bool(torch.all(torch.diff(torch.nonzero(notes).flatten()) == 1))  # one block: replaced, not appended
+        if placement == "front":
+            turns = agent.store.meta.turn.tolist()
+            system = turns.count(-1)
+            assert turns[:system + int(notes.sum())] == [-1] * (system - header) + [NOTES_TURN] * int(notes.sum()) + [-1] * header
+            assert agent.store.meta.position.tolist() == list(range(agent.store.length))
         seen.append(agent.notes)
     assert "Address: 70 Poplar Lane, Bristol BS3 4QT (corrected)" in agent.notes and "Larch" not in agent.notes
     assert len(set(seen)) > 1

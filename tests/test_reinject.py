@@ -185,6 +185,26 @@ def test_end_placement_keys_sit_at_their_new_positions(tiny):
                                atol=1e-5, rtol=0)
 
 
+def test_reorder_moves_tokens_with_their_keys_re_rotated_and_back_again(tiny):
+    """A block moved to the front (as the notes are): every token keeps its metadata, layer 0's keys are
+    a fresh forward's at the new positions, and the inverse order gives back the cache it started from."""
+    store = store_for(tiny)
+    converse(tiny, store, [4, 10, 12, 8])
+    before = [keys_of(store, layer).clone() for layer in range(len(store.layers))]
+    serials = store.meta.serial.clone()
+    order = torch.cat((torch.arange(4), torch.arange(26, 34), torch.arange(4, 26)))  # turn 2 after the prompt
+    store.reorder(order)
+    assert aligned(store) and torch.equal(store.meta.serial, serials[order]) and store.next_logits is None
+    torch.testing.assert_close(keys_of(store), fresh_keys(tiny, store.meta.token.tolist(), torch.arange(34)),
+                               atol=1e-5, rtol=0)
+    store.reorder(torch.argsort(order))
+    assert torch.equal(store.meta.serial, serials)
+    for layer, keys in enumerate(before):
+        torch.testing.assert_close(keys_of(store, layer), keys, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="permutation of the cache's 34 tokens"):
+        store.reorder(torch.zeros(34, dtype=torch.long))
+
+
 @pytest.mark.parametrize("policy", ["window", "h2o", "hybrid"])
 def test_budget_holds_after_every_injection(tiny, policy):
     """Turns fill a 64-token budget; the archive (the sink) collects what is evicted and a past span is

@@ -31,6 +31,7 @@ from agent.model import LoadedModel
 from agent.scoring import score_together
 from cache.policies import POLICIES, Budget
 from cache.storage import KV_DTYPES
+from memory.profile import ProfileConfig
 from memory.recall import MemoryConfig
 
 EVAL_POLICIES = (*POLICIES, *(name + kind for kind in KINDS[1:] for name in POLICIES if name != "full"), BASELINE)
@@ -47,6 +48,7 @@ class EvalConfig:
     reply_tokens: int = 48  # generate mode: longest free reply
     decode_sample_tokens: int = 4  # choice mode: tokens decoded at each dialogue's last probe to time decode
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # of the "<policy>+memory" runs
+    notes: ProfileConfig = field(default_factory=ProfileConfig)  # of the runs with notes (+notes, +palace)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -214,7 +216,7 @@ def run_policies(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalCon
     for policy in config.policies:
         budget = None if policy in ("full", BASELINE) else budget_tokens  # both unbounded
         kv_dtype = model_dtype if policy == BASELINE or config.kv_dtype == "auto" else config.kv_dtype
-        runner = make_runner(policy, budget, kv_dtype, loaded, config.memory)
+        runner = make_runner(policy, budget, kv_dtype, loaded, config.memory, config.notes)
         lanes.append(Lane(runner, PolicyRun(policy, budget, kv_dtype, config.mode)))
     for dialogue in dialogues:
         run_dialogue(lanes, loaded.model, dialogue, fmt, config, mapped=dialogue.id == map_id)

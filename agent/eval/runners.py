@@ -119,8 +119,9 @@ KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE, FORGET, TOPICS)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
-                memory: MemoryConfig = MemoryConfig()) -> Runner:
-    """`memory`: the long-term memory of "<policy>+memory" runs, each dialogue its own session."""
+                memory: MemoryConfig = MemoryConfig(), notes: ProfileConfig = ProfileConfig()) -> Runner:
+    """`memory`: the long-term memory of "<policy>+memory" runs, each dialogue its own session; `notes`:
+    the profile and summary of the runs that keep notes."""
     from agent.eval.reprefill import Reprefill
 
     if policy == BASELINE:
@@ -133,9 +134,9 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
         memory = replace(memory, reinject="text")
     if kind == NOTES:
         memory = replace(memory, referents=False)
-    notes = kind in (NOTES, PALACE, FORGET)
+    profile, notes = notes, kind in (NOTES, PALACE, FORGET)
     return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
                                            hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
                                            topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
                                            graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
-                                           profile=ProfileConfig() if notes else None))
+                                           profile=profile if notes else None))
