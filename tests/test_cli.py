@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 PALACE = [str(Path(sys.executable).parent / "palace")]
-DIALOGUE = str(Path(__file__).parents[1] / "data" / "dev" / "dev-01.jsonl")
 
 
 def palace(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -45,8 +44,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
                  ["topics", str(broken)], ["train", str(broken)], ["refs", str(broken)],
                  ["chat", "--session", str(broken)], ["bench", "--parts", "c", "--memory-dialogue", str(broken)],
                  ["bench", "--parts", "c", "--memory-dialogue", "/no/such.jsonl"],
-                 ["bench", "--parts", "c", "--memory-dtype", "int3"], ["eval", DIALOGUE, "--memory-threshold", "3"],
-                 ["eval", DIALOGUE, "--notes-placement", "middle"]):
+                 ["bench", "--parts", "c", "--memory-dtype", "int3"]):
         done = palace(*args, stdin="hi\n")
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)

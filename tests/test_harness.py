@@ -79,6 +79,22 @@ def test_memory_brings_the_evidence_back_and_records_why(loaded, dialogues):
     assert summary["memory_ms_p95"] >= summary["memory_ms_p50"] > 0 and summary["reinjected_per_turn"] > 0
 
 
+def test_recomputed_scoring_follows_the_memory_run_and_reads_the_kv_fresh(loaded, dialogues):
+    """`+memory-recompute` keeps the `+memory` run's cache path (same recalls, same retention) and scores its
+    probes on the same tokens re-encoded: with room for everything (nothing evicted, nothing spliced) the
+    scores are the memory run's; when turn 0 was evicted and spliced back under a tight window they move."""
+    roomy = EvalConfig(["hybrid+memory", "hybrid+memory-recompute"], Budget(4096, percent=False))
+    tight = EvalConfig(["window+memory", "window+memory-recompute"], Budget(WINDOW, percent=False),
+                       memory=MemoryConfig(share=1.0))
+    for config, spliced in ((roomy, False), (tight, True)):
+        result = evaluate(loaded, dialogues, config)
+        live, fresh = (run_of(result, policy).probes for policy in config.policies)
+        assert [(p.recalled, p.evidence_retention) for p in live] == [(p.recalled, p.evidence_retention) for p in fresh]
+        assert any(p.recalled for p in live) == spliced
+        moved = max(abs(a.margin - b.margin) for a, b in zip(live, fresh))
+        assert moved > 1e-3 if spliced else moved < 1e-3, moved
+
+
 def test_residency_map_matches_the_token_layout(result, dialogues):
     """Full holds every fed token, so each earlier turn's share is exactly 1: the harness's per-turn token
     counts agree with what the agent feeds and tags."""
@@ -201,6 +217,8 @@ def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     (["--policy", "full,lru"], "unknown policy 'lru'"),
     (["--mode", "sample"], "unknown mode"),
     (["--kv-dtype", "int3"], "--kv-dtype"),
+    (["--memory-threshold", "3"], "memory threshold 3.0 must be a cosine similarity"),
+    (["--notes-placement", "middle"], "unknown notes placement 'middle'"),
 ])
 def test_cli_eval_bad_options_are_one_line(monkeypatch, capsys, args, message):
     code, _, err = palace(monkeypatch, capsys, "eval", str(FIXTURE), *args)

@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 
 from agent.agent import Agent, AgentConfig, Turn
-from agent.engine import Feed, SamplingConfig, decode
+from agent.engine import Feed, SamplingConfig, decode, prefill
 from agent.model import LoadedModel
-from cache.policies import HybridConfig
+from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
 from memory.profile import ProfileConfig
@@ -107,6 +107,23 @@ class CacheRunner:
         return self.agent.store.memory_bytes()
 
 
+class RecomputedScoring(CacheRunner):
+    """`<policy>+memory-recompute`: the `+memory` run, each probe scored on its cache's tokens, in their
+    order, re-encoded from scratch: what recomputing the re-injected KV (CacheBlend, EPIC) could restore at
+    best. The cache itself follows the `+memory` run's path exactly, so the two lanes differ only in the KV
+    the probes read: spliced (its keys re-rotated, its values from the context it was first encoded in) or
+    computed fresh in the context it sits in now."""
+
+    def scoring_store(self) -> KVStore:
+        live = self.agent.store
+        ids = live.meta.token.tolist()
+        if min(ids, default=0) < 0:
+            raise ValueError("the cache holds tokens of unknown id: it cannot be re-encoded")
+        store = KVStore.for_model(self.loaded.model, make_policy("full", PolicyConfig()), self.config.storage)
+        prefill(self.loaded.model, store, ids, int(live.meta.turn[-1]), "user", -1)
+        return store
+
+
 BASELINE = "reprefill"
 MEMORY = "+memory"  # a policy name's suffix: that policy with long-term memory (and the topic classifier)
 MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text instead of spliced as KV (baseline)
@@ -114,8 +131,9 @@ GRAPH = "+graph"  # long-term memory whose recall the entity graph's resolved re
 NOTES = "+notes"  # long-term memory with the profile and running summary as notes in the permanent tier
 PALACE = "+palace"  # both: the whole memory palace
 FORGET = "+palace-forget"  # the whole palace, and the cache drops what corrections superseded (AgentConfig.forget_stale)
+RECOMPUTE = "+memory-recompute"  # the +memory run, its probes scored on its cache's tokens re-encoded (RecomputedScoring)
 TOPICS = "+topics"  # no memory: the topic classifier's segments, which the hybrid evicts whole (granularity "segment")
-KINDS = ("", MEMORY, MEMORY_TEXT, GRAPH, NOTES, PALACE, FORGET, TOPICS)
+KINDS = ("", MEMORY, MEMORY_TEXT, RECOMPUTE, GRAPH, NOTES, PALACE, FORGET, TOPICS)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -135,7 +153,8 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
     if kind == NOTES:
         memory = replace(memory, referents=False)
     profile, notes = notes, kind in (NOTES, PALACE, FORGET)
-    return CacheRunner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
+    runner = RecomputedScoring if kind == RECOMPUTE else CacheRunner
+    return runner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
                                            hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
                                            topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
                                            graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
