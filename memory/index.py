@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import json
 import zlib
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import faiss
 import numpy as np
@@ -39,19 +38,6 @@ VERSION = 1
 UNIT_TOLERANCE = 1e-3
 
 Scope = tuple[str, str]  # (user_id, session_id)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """FAISS runs its own OpenMP pool (not torch's), idle between a turn's searches: waking its second
-    thread for one query cost 6.8 ms p50 right after a torch product, against 0.14 ms on the calling
-    thread alone and 0.04 ms back to back (200 unit vectors, k 64, the README's 2-core Xeon)."""
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -128,8 +114,7 @@ class VectorIndex:
                 # a local name keeps the batch alive through the search: IDSelectorNot does not own it
                 selector = faiss.IDSelectorBatch(np.fromiter(entry.removed, dtype=np.int64))
                 params.sel = faiss.IDSelectorNot(selector)
-        with _one_thread():
-            scores, found = entry.index.search(self._encode(query), k, params=params)
+        scores, found = entry.index.search(self._encode(query), k, params=params)
         scores = scores[0]
         if self.config.kind == "lsh":
             scores = np.cos(np.pi * scores / self.config.lsh_bits)
