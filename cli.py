@@ -281,7 +281,8 @@ def eval_(
     policy: str = typer.Option("full,window,sink,h2o,hybrid,reprefill",
                                help="Comma-separated: full, window, sink, h2o, hybrid, reprefill; "
                                "window+memory, sink+memory, h2o+memory, hybrid+memory add long-term memory "
-                               "(+memory-text: recalled turns re-prefilled as text, the baseline; +graph, +notes, "
+                               "(+memory-text: recalled turns re-prefilled as text, the baseline; +memory-recompute: the +memory run, its "
+                               "probes scored on its cache's tokens re-encoded; +graph, +notes, "
                                "+palace: the memory palace's parts; +palace-forget: the palace, and what corrections superseded leaves the "
                                "cache; hybrid+topics: no memory, whole topic segments evicted)."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
