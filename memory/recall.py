@@ -43,7 +43,7 @@ _SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, t
 @dataclass(frozen=True)
 class MemoryConfig:
     share: float = 0.5  # of the budget: the most tokens one recall re-injects (measured: README, "Long-term memory")
-    threshold: float = 0.4  # cosine similarity of the user's turn to an archived message
+    threshold: float = 0.4  # cosine similarity of the user's turn to an archived message (above 1: never)
     k: int = 8  # similar messages considered per recall
     placement: str = "end"  # where re-injected KV goes: "end" or "chronological" (cache/store.py; end won on data/)
     reinject: str = "kv"  # "kv": splice the archived KV; "text": re-prefill the archived tokens at the end (baseline)
@@ -59,8 +59,8 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if not 0 < self.share <= 1:
             raise ValueError(f"memory share {self.share} must be in (0, 1]")
-        if not -1 <= self.threshold <= 1:
-            raise ValueError(f"memory threshold {self.threshold} must be a cosine similarity, in [-1, 1]")
+        if not -1 <= self.threshold < float("inf"):  # above 1: similarity alone never recalls (cosine <= 1)
+            raise ValueError(f"memory threshold {self.threshold} must be a cosine similarity, -1 or more")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}: use one of {', '.join(PLACEMENTS)}")
         if self.reinject not in ("kv", "text"):

@@ -217,7 +217,7 @@ def test_cli_eval_writes_json_and_plot(monkeypatch, capsys, tmp_path):
     (["--policy", "full,lru"], "unknown policy 'lru'"),
     (["--mode", "sample"], "unknown mode"),
     (["--kv-dtype", "int3"], "--kv-dtype"),
-    (["--memory-threshold", "3"], "memory threshold 3.0 must be a cosine similarity"),
+    (["--memory-threshold", "-2"], "memory threshold -2.0 must be a cosine similarity"),
     (["--notes-placement", "middle"], "unknown notes placement 'middle'"),
 ])
 def test_cli_eval_bad_options_are_one_line(monkeypatch, capsys, args, message):
