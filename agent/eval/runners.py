@@ -137,9 +137,9 @@ KINDS = ("", MEMORY, MEMORY_TEXT, RECOMPUTE, GRAPH, NOTES, PALACE, FORGET, TOPIC
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
-                memory: MemoryConfig = MemoryConfig(), notes: ProfileConfig = ProfileConfig()) -> Runner:
-    """`memory`: the long-term memory of "<policy>+memory" runs, each dialogue its own session; `notes`:
-    the profile and summary of the runs that keep notes."""
+                memory: MemoryConfig = MemoryConfig(), profile: ProfileConfig = ProfileConfig()) -> Runner:
+    """`memory`: the long-term memory of "<policy>+memory" runs, each dialogue its own session; `profile`:
+    the notes of the runs that keep them."""
     from agent.eval.reprefill import Reprefill
 
     if policy == BASELINE:
@@ -152,10 +152,10 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
         memory = replace(memory, reinject="text")
     if kind == NOTES:
         memory = replace(memory, referents=False)
-    profile, notes = notes, kind in (NOTES, PALACE, FORGET)
+    notes = kind in (NOTES, PALACE, FORGET)
     runner = RecomputedScoring if kind == RECOMPUTE else CacheRunner
     return runner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
-                                           hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
-                                           topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
-                                           graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
-                                           profile=profile if notes else None))
+                                      hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
+                                      topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
+                                      graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
+                                      profile=profile if notes else None))
