@@ -499,11 +499,13 @@ def refs(
     files: list[str] = typer.Argument(..., help="Dialogue files or folders with `refs` annotations."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the table and every reference's resolution here."),
 ) -> None:
-    """Resolve every annotated reference with the entity graph; print accuracy by reference type."""
-    from classifiers.annotations import load_dialogues, score_references
+    """Resolve every annotated reference with the entity graph; print accuracy by reference type, and how its
+    corrections stand at the superseded-tagged probes."""
+    from classifiers.annotations import load_dialogues, score_corrections, score_references
 
     make_parents(json_path)
-    report = score_references(load_dialogues(files), typer.echo)
+    dialogues = load_dialogues(files)
+    report = {**score_references(dialogues, typer.echo), "corrections": score_corrections(dialogues, typer.echo)}
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
 

@@ -5,6 +5,10 @@
   span is found when a predicted span overlaps it (recall). Overlap, not exact match, because the
   annotators' tight value and a pattern's can differ by a word ("by text" vs "a text to 07700...") while
   pinning either keeps the fact; exact-match figures are printed too. By type, a match needs the type.
+- Corrections. At each probe, the graph run over the turns before it: for a `superseded`-tagged probe,
+  whether it holds a `forbid` value (the corrected one) invalidated and an `expect` value current; for every
+  probe with `expect` values, whether the graph wrongly holds the expected value invalidated (and none
+  current). Values compare without spaces, case-insensitively, as pieces ("9140" is in "code 9140").
 - References. Each annotated reference is resolved by the entity graph run over the dialogue as it goes
   (user turns observed, replies mentioned). It is right when the resolution of that span names the
   annotated entity (their content words overlap, so "the Felimazole tablets" matches "Felimazole 2.5 mg
@@ -176,6 +180,44 @@ def score_references(dialogues: list[dict], echo: Callable[[str], None] | None =
             echo(f"{key:<14}{row['references']:>6}{row['accuracy']:>10.3f}{row['antecedent_turn_accuracy']:>12.3f}"
                  f"{row['resolved']:>10.3f}")
     return {"by_type": table, "records": records}
+
+
+def score_corrections(dialogues: list[dict], echo: Callable[[str], None] | None = None) -> dict:
+    """How the entity graph's corrections (facts invalidated, not deleted) stand at each probe (module doc)."""
+    from memory.graph import EntityGraph
+
+    plain = lambda value: value.lower().replace(" ", "")  # noqa: E731
+    holds = lambda facts, values: any(v in plain(f.value) for f in facts for v in values)  # noqa: E731
+    tagged = found = current = probes = wrong = 0
+    records = []
+    for dialogue in dialogues:
+        graph, done = EntityGraph(), 0
+        for index, turn in enumerate(dialogue["turns"]):
+            probe = turn.get("probe")
+            if not probe or not probe.get("expect"):
+                continue
+            for earlier in range(done, index):
+                graph.observe(earlier, dialogue["turns"][earlier]["user"])
+                graph.mention(earlier, dialogue["turns"][earlier].get("assistant") or "")
+            done = index
+            expect, forbid = [plain(v) for v in probe["expect"]], [plain(v) for v in probe.get("forbid", [])]
+            live, stale = graph.current_facts(), graph.superseded()
+            probes += 1
+            wrong += holds(stale, expect) and not holds(live, expect)
+            if "superseded" in probe.get("tags", []):
+                record = {"dialogue": dialogue.get("id"), "turn": index, "forbid": probe.get("forbid", []),
+                          "expect": probe["expect"], "invalidated": holds(stale, forbid), "current": holds(live, expect)}
+                tagged += 1
+                found += record["invalidated"]
+                current += record["current"]
+                records.append(record)
+    table = {"superseded_probes": tagged, "old_value_invalidated": round(found / tagged, 3) if tagged else None,
+             "new_value_current": round(current / tagged, 3) if tagged else None, "probes": probes,
+             "expected_value_invalidated": round(wrong / probes, 3) if probes else None}
+    if echo and tagged:
+        echo(f"corrections: {tagged} superseded-tagged probes, the old value invalidated {found / tagged:.3f}, the new "
+             f"one current {current / tagged:.3f}; of {probes} probes, an expected value wrongly invalidated {wrong}")
+    return {**table, "records": records}
 
 
 def _fmt(value: float | None) -> str:

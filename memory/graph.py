@@ -380,6 +380,72 @@ class EntityGraph:
                 elif switching and old.attribute == attribute and _single_valued(attribute):
                     self._supersede(old, span.text, turn)  # "we moved, we're at ... now"
             self._add(Fact(attribute, span.text, span.type, turn))
+        if correcting:
+            self._denied_pairs(turn, text, spans)
+            self._transposed(turn, text, spans)
+        self._moved_dates(turn, text, spans)
+
+    def _denied_pairs(self, turn: int, text: str, spans: list[Span]) -> None:
+        """"124, not 110", "18 m, not 14.5", "it's 2985, not 2958": a value denied beside its replacement that
+        no fact holds as a piece (a piece of a fact is patched above). The fact whose whole value it is is
+        superseded; a value never recorded (a count, a measure, a code no cue marked) is recorded as superseded,
+        so the notes and `stale()` say which one is wrong."""
+        for match in _NEW_NOT_OLD.finditer(text):
+            new, wrong = match.group("new").strip().rstrip(",.:"), match.group("old").rstrip(",.:")
+            if any(f.value == new and f.valid_from_turn == turn for f in self.facts if not f.current):
+                continue  # the piece patch above wrote it
+            holder = next((s for s in spans if s.start <= match.start("new") < s.end), None)
+            value = holder.text if holder else new
+            old = [f for f in self.current_facts() if f.valid_from_turn < turn and _plain(f.value) == _plain(wrong)]
+            if any(_contains_piece(f.value, wrong) for f in self.current_facts() if f.valid_from_turn < turn) and not old:
+                continue
+            if _day_number(wrong) and not old:
+                continue  # "not the 14th": a date, left to _moved_dates
+            attribute, kind = (old[0].attribute, old[0].type) if old else (holder.attribute, holder.type) if holder \
+                else ("amount", "amount") if re.search(r"[£$€]", value + wrong) else ("number", "amount")
+            if not old:
+                old = [Fact(attribute, wrong, kind, turn)]
+                self.facts.append(old[0])
+            for fact in old:
+                self._supersede(fact, value, turn)
+            self._add(Fact(attribute, value, kind, turn))
+
+    def _transposed(self, turn: int, text: str, spans: list[Span]) -> None:
+        """In a correcting turn, a number or code one slip away from a current fact's (two neighbouring
+        characters swapped, or one changed: "It's 4781" after 4718, "87,400" after 97,400) replaces it."""
+        values = [(s.text, s.attribute, s.type) for s in spans if s.type not in ("date", "preference", "taboo")]
+        values += [(m.group(0), None, None) for m in _CODE.finditer(text)
+                   if not any(m.group(0) in v for v, _, _ in values)]
+        for value, _, _ in values:
+            plain = _plain(value)
+            if sum(c.isdigit() for c in plain) < 3:
+                continue
+            for old in self.current_facts():
+                if old.valid_from_turn < turn and old.type != "date" and _one_slip(_plain(old.value), plain):
+                    self._supersede(old, value, turn)
+                    self._add(Fact(old.attribute, value, old.type, turn))
+
+    def _moved_dates(self, turn: int, text: str, spans: list[Span]) -> None:
+        """"Thursday's no good ... could we have Saturday 19 April instead?", "the 10th won't work, can we make
+        it Thursday the 12th?", "Tuesday 7 April, not the 14th": a date of an earlier turn whose weekday or day
+        of the month this turn names, outside its new date, in a turn that asks to move (or right after "not"),
+        is replaced by the new date: the first after the cue to move, else the last before the denial."""
+        dates = [s for s in spans if s.type == "date" and s.attribute == "date"]
+        if not dates:
+            return
+        cue, named = _MOVE.search(text), list(_OLD_DAY.finditer(text))
+        if cue is not None:
+            new = next((d for d in dates if d.start >= cue.start()), dates[-1])
+            named = [m for m in named if not new.start <= m.start() < new.end]
+        else:
+            named = [m for m in named if _DENIED_BEFORE.search(text[:m.start()])]
+            new = next((d for d in reversed(dates) if named and d.end <= named[0].start()), None)
+        if new is None or not named:
+            return
+        for old in self.current_facts():
+            if old.type == "date" and old.attribute == "date" and old.valid_from_turn < turn and old.value != new.text \
+                    and any(_names_day(old.value, m) for m in named):
+                self._supersede(old, new.text, turn)
 
     def _patch(self, old: Fact, piece: str, new: str, turn: int) -> str:
         """Replace the denied piece of an old value (or the whole, when the new piece is written whole
@@ -730,6 +796,45 @@ def _changed_pieces(old: str, new: str) -> list[str]:
     matcher = difflib.SequenceMatcher(None, [_plain(w.group(0)) for w in olds], [_plain(w) for w in news], autojunk=False)
     return [old[olds[a].start():olds[b - 1].end()].strip(".")
             for op, a, b, _, _ in matcher.get_opcodes() if op == "replace"]
+
+
+_MOVE = re.compile(r"\b(?:move[ds]?|moving|make it|instead|push(?:ed)?|swap|brought forward|bring (?:it )?forward|"
+                   r"rather than|switch|change (?:it|that) to|won't work|no good|can't do|isn't possible|not possible)\b",
+                   re.I)
+_WEEKDAYS = {"mon": "monday", "tue": "tuesday", "tues": "tuesday", "wed": "wednesday", "weds": "wednesday",
+             "thu": "thursday", "thur": "thursday", "thurs": "thursday", "fri": "friday", "sat": "saturday",
+             "sun": "sunday"}
+_OLD_DAY = re.compile(r"\b(?:(?P<weekday>(?:mon|tues?|wed(?:nes)?|thu(?:rs?)?|fri|sat(?:ur)?|sun)(?:day)?)(?:'?s)?"
+                      r"|(?P<day>[123]?\d)(?:st|nd|rd|th))\b", re.I)
+_NEW_NOT_OLD = re.compile(  # "124, not 110"; "18 m, not 14.5"; "it's 7726 now, not 5093"
+    r"(?P<new>[£$€]?\d[\d,.:]*(?:\s?(?!now\b|then\b)[A-Za-z]+)?)(?:\s+(?:now|then))?,?\s+(?i:not)\s+(?:the\s+)?"
+    r"(?P<old>[£$€]?\d[\d,.:]*\d|\d)(?![\w])")
+_DENIED_BEFORE = re.compile(r"\bnot\s+(?:the\s+|on\s+(?:the\s+)?)?$", re.I)  # "..., not the 14th"
+_CODE = re.compile(r"(?<![\w£$€])[A-Z]{0,3}[£$€]?\d[\d,]*\d[A-Z]{0,2}(?![\w])")
+
+
+def _day_number(text: str) -> int | None:
+    """The day of the month an ordinal names ("14th", "the 3rd"), else None."""
+    match = re.fullmatch(r"(?:the\s+)?([123]?\d)(?:st|nd|rd|th)", text.strip(), re.I)
+    return int(match.group(1)) if match and 1 <= int(match.group(1)) <= 31 else None
+
+
+def _names_day(value: str, mention: re.Match) -> bool:
+    """Whether a date value names the weekday or the day of the month a mention names."""
+    if mention.group("weekday"):
+        word = mention.group("weekday").lower()
+        full = word if word.endswith("day") else _WEEKDAYS.get(word, _WEEKDAYS.get(word[:4], _WEEKDAYS.get(word[:3], "")))
+        return bool(full) and full in value.lower()
+    return re.search(rf"(?<!\d){int(mention.group('day'))}(?!\d)", value) is not None
+
+
+def _one_slip(old: str, new: str) -> bool:
+    """Two codes of one length one slip apart: two neighbouring characters swapped, or one character changed."""
+    if len(old) != len(new) or old == new or len(old) < 3:
+        return False
+    diff = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and old[diff[0]] == new[diff[1]]
+                              and old[diff[1]] == new[diff[0]])
 
 
 def _single_valued(attribute: str) -> bool:

@@ -109,6 +109,65 @@ def test_corrections_patch_pieces_and_other_peoples_addresses_supersede_nothing(
                                                               "Flat 14, 12 Quay Street, Hull HU1 2AB"]
 
 
+def test_a_date_moved_away_from_the_day_a_turn_names_is_superseded_and_a_mere_mention_supersedes_nothing():
+    """A move names the old day ("Thursday's no good", "not the 14th") and the new date: the earlier date with
+    that weekday or day of the month is invalidated, kept, and points at the new one. A turn that names a day
+    without asking to move ("stay till the 22nd ... on the 21st") changes no date."""
+    graph = rules_graph((0, "Could I book the room for Thursday 17 April, 10 till 12?"),
+                        (2, "My flight out is on 14 April and the move is on Saturday 21 March."),
+                        (5, "Actually, Thursday's no good. Could we have Saturday 19 April, 10 till 12, instead?"),
+                        (7, "Boss just messaged. I now fly out Tuesday 7 April, not the 14th."),
+                        (9, "The landlord says I can stay till the 22nd, so the flat goes straight to the house on the 21st."))
+    assert {(f.value, f.superseded_by, f.invalid_from_turn) for f in graph.superseded()} == {
+        ("Thursday 17 April", "Saturday 19 April", 5), ("14 April", "Tuesday 7 April", 7)}
+    current = {f.value for f in graph.current_facts() if f.type == "date"}
+    assert {"Saturday 19 April", "Tuesday 7 April", "Saturday 21 March"} <= current
+
+
+def test_a_value_denied_beside_its_replacement_is_recorded_superseded_even_if_never_a_fact():
+    """"124, not 110": a count no cue marked is still a value the user says is wrong; "it's 2985, not 2958"
+    invalidates the code recorded before. The notes then say which one is current."""
+    graph = rules_graph((0, "The key safe code is 2958 and there are 110 day guests."),
+                        (3, "And ugh, his side of the family is bigger. Day guests is now 124, not 110."),
+                        (4, "Correction on the key safe: it's 2985, not 2958."),
+                        (6, "Correction on the run: 18 m, not 14.5."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} >= {("110", "124"), ("2958", "2985"), ("14.5", "18 m")}
+    assert {"124", "2985", "18 m"} <= {f.value for f in graph.current_facts()}
+    assert "2958" in graph.stale()
+
+
+def test_a_code_one_slip_from_a_fact_replaces_it_in_a_correcting_turn_and_other_numbers_do_not():
+    """"Olu that's wrong!! It's 4781" after 4718 (two digits swapped), "87,400, fat fingers" after 97,400 (one
+    changed); an order number unlike any fact, in a correcting turn, replaces nothing."""
+    graph = rules_graph((0, "The alarm code is 4718 and the car's mileage is £97,400 on the form."),
+                        (2, "Olu that's wrong!! It's 4781. He always swaps the last two digits."),
+                        (4, "Sorry, typo: the mileage is £87,400."),
+                        (6, "Sorry, one more thing, my order number is 5521."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {("4718", "4781"), ("£97,400", "£87,400")}
+    assert {"4781", "£87,400"} <= {f.value for f in graph.current_facts()}
+
+
+def test_palace_refs_scores_corrections_at_the_superseded_probes(tmp_path):
+    """`palace refs` replays the graph to each probe: the corrected value invalidated, the new one current, and
+    an expected value never left invalidated."""
+    import json
+
+    from classifiers.annotations import load_dialogues, score_corrections
+
+    probe = {"kind": "recall", "choices": ["a", "b"], "answer": 0, "evidence": [1], "tags": ["superseded"]}
+    turns = [{"user": "Book the engineer for Thursday 12 June, please.", "assistant": "Booked: Thursday 12 June."},
+             {"user": "Thursday won't work after all. Can we move it to Friday 13 June?", "assistant": "Moved."},
+             {"user": "When is the engineer coming?", "assistant": "Friday 13 June.",
+              "probe": {**probe, "expect": ["Friday 13 June"], "forbid": ["Thursday 12 June"]}},
+             {"user": "And the first date I asked for?", "assistant": "Thursday 12 June.",
+              "probe": {**probe, "expect": ["Thursday 12 June"], "tags": []}}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "d", "turns": turns}) + "\n")
+    report = score_corrections(load_dialogues([str(tmp_path)]))
+    assert report["superseded_probes"] == 1 and report["old_value_invalidated"] == 1.0
+    assert report["new_value_current"] == 1.0 and report["probes"] == 2
+    assert report["expected_value_invalidated"] == 0.5  # the old date, asked for as such, is no current fact
+
+
 def test_it_and_there_resolve_to_the_parcel_and_the_address():
     graph = rules_graph((0, "My parcel from Hallam Books never arrived.", "I'm sorry. Which address should the parcel go to?"),
                         (1, "My sister's flat, 9 Mill Street, Leeds LS2 7EW.", "Thanks, noted."))
