@@ -383,6 +383,7 @@ class EntityGraph:
         if correcting:
             self._denied_pairs(turn, text, spans)
             self._transposed(turn, text, spans)
+        self._switched_codes(turn, text)
         self._moved_dates(turn, text, spans)
 
     def _denied_pairs(self, turn: int, text: str, spans: list[Span]) -> None:
@@ -392,6 +393,8 @@ class EntityGraph:
         so the notes and `stale()` say which one is wrong."""
         for match in _NEW_NOT_OLD.finditer(text):
             new, wrong = match.group("new").strip().rstrip(",.:"), match.group("old").rstrip(",.:")
+            if _plain(new) == _plain(wrong) or len(_plain(wrong)) < 2:
+                continue  # "7 and 2, not 2 and 7": no value of its own
             if any(f.value == new and f.valid_from_turn == turn for f in self.facts if not f.current):
                 continue  # the piece patch above wrote it
             holder = next((s for s in spans if s.start <= match.start("new") < s.end), None)
@@ -424,6 +427,23 @@ class EntityGraph:
                 if old.valid_from_turn < turn and old.type != "date" and _one_slip(_plain(old.value), plain):
                     self._supersede(old, value, turn)
                     self._add(Fact(old.attribute, value, old.type, turn))
+
+    def _switched_codes(self, turn: int, text: str) -> None:
+        """"New code 9140", "Gate PIN ... change to 8830", "Reset the code. It's 7316 now": a code switched to
+        replaces the latest current value of the same shape (as many characters, digits where it has digits)
+        stated in a turn that used the same word for it (code, PIN, password): an order number of four digits
+        is not the key safe's code."""
+        word = _CODE_WORD.search(text)
+        for match in _SWITCH_TO.finditer(text) if word else ():
+            value = match.group("value") or match.group("now")
+            said = lambda fact: f" {word.group(0).lower()} " in self.graph.nodes.get(  # noqa: E731
+                f"turn:{fact.valid_from_turn}", {}).get("text", "")
+            same = [f for f in self.current_facts() if f.valid_from_turn < turn and f.type not in ("date", "amount")
+                    and _shape(f.value) == _shape(value) and f.value != value and said(f)]
+            if same:
+                old = max(same, key=lambda f: f.valid_from_turn)
+                self._supersede(old, value, turn)
+                self._add(Fact(old.attribute, value, old.type, turn))
 
     def _moved_dates(self, turn: int, text: str, spans: list[Span]) -> None:
         """"Thursday's no good ... could we have Saturday 19 April instead?", "the 10th won't work, can we make
@@ -806,10 +826,15 @@ _WEEKDAYS = {"mon": "monday", "tue": "tuesday", "tues": "tuesday", "wed": "wedne
              "sun": "sunday"}
 _OLD_DAY = re.compile(r"\b(?:(?P<weekday>(?:mon|tues?|wed(?:nes)?|thu(?:rs?)?|fri|sat(?:ur)?|sun)(?:day)?)(?:'?s)?"
                       r"|(?P<day>[123]?\d)(?:st|nd|rd|th))\b", re.I)
-_NEW_NOT_OLD = re.compile(  # "124, not 110"; "18 m, not 14.5"; "it's 7726 now, not 5093"
+_NEW_NOT_OLD = re.compile(  # "124, not 110"; "18 m, not 14.5"; "it's 7726 now, not 5093" (not "..., not 37 Larch Close")
     r"(?P<new>[£$€]?\d[\d,.:]*(?:\s?(?!now\b|then\b)[A-Za-z]+)?)(?:\s+(?:now|then))?,?\s+(?i:not)\s+(?:the\s+)?"
-    r"(?P<old>[£$€]?\d[\d,.:]*\d|\d)(?![\w])")
+    r"(?P<old>[£$€]?\d[\d,.:]*\d|\d)(?![\w])(?=\s*(?:[,.;:!?)\-–]|$|(?i:and|but|so|please|then|now)\b))")
 _DENIED_BEFORE = re.compile(r"\bnot\s+(?:the\s+|on\s+(?:the\s+)?)?$", re.I)  # "..., not the 14th"
+_SWITCH_TO = re.compile(  # "New code 9140", "change it to 8830", "It's 7316 now"
+    r"\b(?:new (?:code|pin|password|number)(?: is)?:?|change[ds]? (?:it |that |the \w+ )?to|reset (?:it |the \w+ )?to)"
+    r"\s+(?P<value>[A-Z]{0,3}\d[\d-]{2,}[A-Z]{0,2})\b"
+    r"|\b(?:it's|it is|is) (?P<now>[A-Z]{0,3}\d[\d-]{2,}[A-Z]{0,2}) now\b", re.I)
+_CODE_WORD = re.compile(r"\b(?:code|pin|password|passcode|combination)\b", re.I)
 _CODE = re.compile(r"(?<![\w£$€])[A-Z]{0,3}[£$€]?\d[\d,]*\d[A-Z]{0,2}(?![\w])")
 
 
@@ -826,6 +851,11 @@ def _names_day(value: str, mention: re.Match) -> bool:
         full = word if word.endswith("day") else _WEEKDAYS.get(word, _WEEKDAYS.get(word[:4], _WEEKDAYS.get(word[:3], "")))
         return bool(full) and full in value.lower()
     return re.search(rf"(?<!\d){int(mention.group('day'))}(?!\d)", value) is not None
+
+
+def _shape(value: str) -> str:
+    """A value's shape: each digit a 9, each letter an A ("AB-123" -> "AA-999")."""
+    return re.sub(r"[A-Za-z]", "A", re.sub(r"\d", "9", value.strip()))
 
 
 def _one_slip(old: str, new: str) -> bool:

@@ -136,15 +136,19 @@ def test_a_value_denied_beside_its_replacement_is_recorded_superseded_even_if_ne
     assert "2958" in graph.stale()
 
 
-def test_a_code_one_slip_from_a_fact_replaces_it_in_a_correcting_turn_and_other_numbers_do_not():
+def test_a_code_one_slip_from_a_fact_or_switched_to_replaces_it_and_other_numbers_do_not():
     """"Olu that's wrong!! It's 4781" after 4718 (two digits swapped), "87,400, fat fingers" after 97,400 (one
-    changed); an order number unlike any fact, in a correcting turn, replaces nothing."""
+    changed), "New code 9140" after the key safe's 2207; an order number unlike any fact, in a correcting turn,
+    replaces nothing, and a code switched to replaces no order number of its shape."""
     graph = rules_graph((0, "The alarm code is 4718 and the car's mileage is £97,400 on the form."),
+                        (1, "The key safe code is 2207, by the back door."),
                         (2, "Olu that's wrong!! It's 4781. He always swaps the last two digits."),
                         (4, "Sorry, typo: the mileage is £87,400."),
-                        (6, "Sorry, one more thing, my order number is 5521."))
-    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {("4718", "4781"), ("£97,400", "£87,400")}
-    assert {"4781", "£87,400"} <= {f.value for f in graph.current_facts()}
+                        (6, "Sorry, one more thing, my order number is 5521."),
+                        (8, "Landlord reset the key safe. New code 9140."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {
+        ("4718", "4781"), ("£97,400", "£87,400"), ("2207", "9140")}
+    assert {"4781", "£87,400", "9140"} <= {f.value for f in graph.current_facts()}
 
 
 def test_palace_refs_scores_corrections_at_the_superseded_probes(tmp_path):
