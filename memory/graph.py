@@ -402,7 +402,7 @@ class EntityGraph:
             old = [f for f in self.current_facts() if f.valid_from_turn < turn and _plain(f.value) == _plain(wrong)]
             if any(_contains_piece(f.value, wrong) for f in self.current_facts() if f.valid_from_turn < turn) and not old:
                 continue
-            if _day_number(wrong) and not old:
+            if _is_day_of_month(wrong) and not old:
                 continue  # "not the 14th": a date, left to _moved_dates
             attribute, kind = (old[0].attribute, old[0].type) if old else (holder.attribute, holder.type) if holder \
                 else ("amount", "amount") if re.search(r"[£$€]", value + wrong) else ("number", "amount")
@@ -416,10 +416,9 @@ class EntityGraph:
     def _transposed(self, turn: int, text: str, spans: list[Span]) -> None:
         """In a correcting turn, a number or code one slip away from a current fact's (two neighbouring
         characters swapped, or one changed: "It's 4781" after 4718, "87,400" after 97,400) replaces it."""
-        values = [(s.text, s.attribute, s.type) for s in spans if s.type not in ("date", "preference", "taboo")]
-        values += [(m.group(0), None, None) for m in _CODE.finditer(text)
-                   if not any(m.group(0) in v for v, _, _ in values)]
-        for value, _, _ in values:
+        values = [s.text for s in spans if s.type not in ("date", "preference", "taboo")]
+        values += [m.group(0) for m in _CODE.finditer(text) if not any(m.group(0) in v for v in values)]
+        for value in values:
             plain = _plain(value)
             if sum(c.isdigit() for c in plain) < 3:
                 continue
@@ -434,10 +433,12 @@ class EntityGraph:
         stated in a turn that used the same word for it (code, PIN, password): an order number of four digits
         is not the key safe's code."""
         word = _CODE_WORD.search(text)
-        for match in _SWITCH_TO.finditer(text) if word else ():
+        if word is None:
+            return
+        said = lambda fact: f" {word.group(0).lower()} " in self.graph.nodes.get(  # noqa: E731
+            f"turn:{fact.valid_from_turn}", {}).get("text", "")
+        for match in _SWITCH_TO.finditer(text):
             value = match.group("value") or match.group("now")
-            said = lambda fact: f" {word.group(0).lower()} " in self.graph.nodes.get(  # noqa: E731
-                f"turn:{fact.valid_from_turn}", {}).get("text", "")
             same = [f for f in self.current_facts() if f.valid_from_turn < turn and f.type not in ("date", "amount")
                     and _shape(f.value) == _shape(value) and f.value != value and said(f)]
             if same:
@@ -821,9 +822,7 @@ def _changed_pieces(old: str, new: str) -> list[str]:
 _MOVE = re.compile(r"\b(?:move[ds]?|moving|make it|instead|push(?:ed)?|swap|brought forward|bring (?:it )?forward|"
                    r"rather than|switch|change (?:it|that) to|won't work|no good|can't do|isn't possible|not possible)\b",
                    re.I)
-_WEEKDAYS = {"mon": "monday", "tue": "tuesday", "tues": "tuesday", "wed": "wednesday", "weds": "wednesday",
-             "thu": "thursday", "thur": "thursday", "thurs": "thursday", "fri": "friday", "sat": "saturday",
-             "sun": "sunday"}
+_WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")  # told by 3 letters
 _OLD_DAY = re.compile(r"\b(?:(?P<weekday>(?:mon|tues?|wed(?:nes)?|thu(?:rs?)?|fri|sat(?:ur)?|sun)(?:day)?)(?:'?s)?"
                       r"|(?P<day>[123]?\d)(?:st|nd|rd|th))\b", re.I)
 _NEW_NOT_OLD = re.compile(  # "124, not 110"; "18 m, not 14.5"; "it's 7726 now, not 5093" (not "..., not 37 Larch Close")
@@ -838,18 +837,17 @@ _CODE_WORD = re.compile(r"\b(?:code|pin|password|passcode|combination)\b", re.I)
 _CODE = re.compile(r"(?<![\w£$€])[A-Z]{0,3}[£$€]?\d[\d,]*\d[A-Z]{0,2}(?![\w])")
 
 
-def _day_number(text: str) -> int | None:
-    """The day of the month an ordinal names ("14th", "the 3rd"), else None."""
+def _is_day_of_month(text: str) -> bool:
+    """Whether a text is an ordinal day of the month ("14th", "the 3rd")."""
     match = re.fullmatch(r"(?:the\s+)?([123]?\d)(?:st|nd|rd|th)", text.strip(), re.I)
-    return int(match.group(1)) if match and 1 <= int(match.group(1)) <= 31 else None
+    return bool(match) and 1 <= int(match.group(1)) <= 31
 
 
 def _names_day(value: str, mention: re.Match) -> bool:
     """Whether a date value names the weekday or the day of the month a mention names."""
     if mention.group("weekday"):
-        word = mention.group("weekday").lower()
-        full = word if word.endswith("day") else _WEEKDAYS.get(word, _WEEKDAYS.get(word[:4], _WEEKDAYS.get(word[:3], "")))
-        return bool(full) and full in value.lower()
+        day = next(d for d in _WEEKDAYS if d.startswith(mention.group("weekday")[:3].lower()))
+        return day in value.lower()
     return re.search(rf"(?<!\d){int(mention.group('day'))}(?!\d)", value) is not None
 
 
