@@ -6,8 +6,9 @@ with a 1152 x 384 weight took 84 us against 31 packed, a 30-row one with a 1536 
 167 (one thread, the README's AMX Xeon); at 1,100 rows the two are level. Not the same bits: oneDNN may
 sum some shapes in another order (about what another CPU gives). The packed copy is held beside the
 weight, which the reference paths (transformers' forward, the tests) still read: a bfloat16 model's
-linear weights are held twice. float32 weights, other devices, builds without oneDNN and CPUs whose oneDNN has no bfloat16 reorder (it
-needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only AMD EPYC raised) keep `F.linear`."""
+linear weights are held twice. float32 weights, other devices, builds without oneDNN, and CPUs where oneDNN
+cannot reorder bfloat16 (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only AMD EPYC raised) keep
+`F.linear`."""
 
 from __future__ import annotations
 
