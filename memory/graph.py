@@ -399,8 +399,9 @@ class EntityGraph:
                 continue  # the piece patch above wrote it
             holder = next((s for s in spans if s.start <= match.start("new") < s.end), None)
             value = holder.text if holder else new
-            old = [f for f in self.current_facts() if f.valid_from_turn < turn and _plain(f.value) == _plain(wrong)]
-            if any(_contains_piece(f.value, wrong) for f in self.current_facts() if f.valid_from_turn < turn) and not old:
+            earlier = [f for f in self.current_facts() if f.valid_from_turn < turn]
+            old = [f for f in earlier if _plain(f.value) == _plain(wrong)]
+            if not old and any(_contains_piece(f.value, wrong) for f in earlier):
                 continue
             if _is_day_of_month(wrong) and not old:
                 continue  # "not the 14th": a date, left to _moved_dates
