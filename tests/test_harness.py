@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,20 @@ def test_worker_pool_gives_the_in_process_results(loaded, dialogues, tmp_path):
         assert [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in mine.turns] == [(t.dialogue, t.kv_tokens, t.kv_bytes) for t in theirs.turns]
         assert mine.kv_bytes_peak == theirs.kv_bytes_peak and theirs.wall_s > 0
         assert np.array_equal(mine.residency, theirs.residency, equal_nan=True)
+
+
+def test_memory_runs_leave_no_scratch_directories(loaded, dialogues, tmp_path, monkeypatch):
+    """Each dialogue's archive lives in a temporary directory; in process and in worker processes (which
+    their pool terminates, so nothing is collected at exit) every one is gone when the evaluation returns."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the workers' temporary directory
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's, computed once
+    config = EvalConfig(["window+memory"], Budget(WINDOW, percent=False))
+    run = run_of(evaluate(loaded, dialogues * 2, config), "window+memory")
+    assert sum(t.reinjected for t in run.turns) > 0 and list(scratch.iterdir()) == []
+    evaluate(loaded, dialogues * 2, config, pool=WorkerPool(ModelSpec("embedded", "cpu", "float32"), workers=2))
+    assert list(scratch.iterdir()) == []
 
 
 def test_generate_mode_keeps_the_scripted_history(loaded, dialogues, result):

@@ -218,10 +218,14 @@ def run_policies(loaded: LoadedModel, dialogues: list[Dialogue], config: EvalCon
         kv_dtype = model_dtype if policy == BASELINE or config.kv_dtype == "auto" else config.kv_dtype
         runner = make_runner(policy, budget, kv_dtype, loaded, config.memory, config.notes)
         lanes.append(Lane(runner, PolicyRun(policy, budget, kv_dtype, config.mode)))
-    for dialogue in dialogues:
-        run_dialogue(lanes, loaded.model, dialogue, fmt, config, mapped=dialogue.id == map_id)
-        if on_dialogue is not None:
-            on_dialogue()
+    try:
+        for dialogue in dialogues:
+            run_dialogue(lanes, loaded.model, dialogue, fmt, config, mapped=dialogue.id == map_id)
+            if on_dialogue is not None:
+                on_dialogue()
+    finally:
+        for lane in lanes:
+            lane.runner.close()
     return [lane.run for lane in lanes]
 
 

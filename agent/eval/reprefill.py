@@ -59,6 +59,9 @@ class Reprefill:
     def memory(self) -> None:
         return None
 
+    def close(self) -> None:
+        """Nothing outlives a dialogue but its token ids."""
+
     def scoring_store(self) -> None:
         """Scored alone: its long history would slow the packed forward the cached policies share."""
         return None

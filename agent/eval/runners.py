@@ -42,6 +42,8 @@ class Runner(Protocol):
         """Tokens held per dialogue turn."""
     def kv_tokens(self) -> int: ...
     def kv_bytes(self) -> int: ...
+    def close(self) -> None:
+        """Release what the current dialogue holds (an archive's scratch directory)."""
 
 
 class CacheRunner:
@@ -49,10 +51,19 @@ class CacheRunner:
 
     def __init__(self, loaded: LoadedModel, config: AgentConfig):
         self.loaded, self.config = loaded, config
+        self.agent: Agent | None = None
 
     def start(self, system: str | None) -> None:
+        self.close()
         self.agent = Agent(self.loaded, replace(self.config, system=system))
         self.turn: Turn | None = None
+
+    def close(self) -> None:
+        """Close the dialogue's agent now: its archive's scratch directory would otherwise wait for the
+        cycle collector, which a worker process terminated by its pool never runs."""
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
 
     def user_turn(self, text: str) -> float:
         started = time.perf_counter()
