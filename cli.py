@@ -310,6 +310,9 @@ def eval_(
                                         help="+notes, +palace: where the notes' KV sits: newest (encoded before "
                                         "the next user turn) or front (after the system prompt, the rest "
                                         "re-rotated)."),
+    notes_corrections: int = typer.Option(0, "--notes-corrections", min=0,
+                                          help="+notes, +palace: the newest corrected values the notes' cap left "
+                                          "out, listed beyond it."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX "
@@ -336,7 +339,8 @@ def eval_(
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id,
                         memory=MemoryConfig(placement=memory_placement, unit=memory_unit, **{
                             name: value for name, value in (("share", memory_share), ("threshold", memory_threshold))
-                            if value is not None}), notes=ProfileConfig(placement=notes_placement))
+                            if value is not None}), notes=ProfileConfig(placement=notes_placement,
+                                                                                  corrections=notes_corrections))
     loaded = load_model(model, device, dtype)
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None

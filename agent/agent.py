@@ -426,7 +426,8 @@ class Agent:
             return None
         started = time.perf_counter()
         profile = self.config.profile
-        notes = render(self.graph, self.summary, self._count_tokens, profile.cap(self.policy.budget), profile.superseded)
+        notes = render(self.graph, self.summary, self._count_tokens, profile.cap(self.policy.budget), profile.superseded,
+                       profile.corrections)
         changed = bool(notes) and notes != self.notes
         if changed:
             self.notes = notes

@@ -29,6 +29,8 @@ class ProfileConfig:
     max_tokens: int = 160
     summary_every: int = 5  # user turns per running-summary keyframe
     superseded: bool = False  # also say what a corrected value replaced ("corrected, not 2QE"), not just "corrected"
+    corrections: int = 0  # the newest corrected values the cap left out, listed beyond it: a date or an amount
+    # ranks last, yet its old value is what the model answers with when both are in the cache
     placement: str = "newest"  # where the notes' KV sits: "newest" (encoded before the next user turn, drifting
     # back as turns follow) or "front" (moved after the system prompt, the rest re-rotated; README, "What must persist")
 
@@ -88,9 +90,10 @@ SUMMARY_SHARE = 0.3  # of the cap, kept for the running summary once there is on
 
 
 def render(graph: EntityGraph | None, summary: RunningSummary | None, count: Callable[[str], int], cap: int,
-           superseded: bool = False) -> str:
-    """The notes' text, at most `cap` tokens as `count` measures them ("" when there is nothing): facts
-    in priority order within what the summary leaves, then the summary's newest keyframes that fit.
+           superseded: bool = False, corrections: int = 0) -> str:
+    """The notes' text, at most `cap` tokens as `count` measures them ("" when there is nothing) plus the
+    lines of the `corrections` newest corrected values the cap left out: facts in priority order within
+    what the summary leaves, then the summary's newest keyframes that fit.
     Pieces are measured one by one (a caching `count` makes a turn's rendering cost what changed, not
     the whole history: facts and keyframes accumulate over a long session), and the whole once."""
     frames = [current_wording(frame, graph) for frame in summary.texts()] if summary is not None else []
@@ -112,4 +115,6 @@ def render(graph: EntityGraph | None, summary: RunningSummary | None, count: Cal
     compose = lambda: "\n".join([header, *lines]) + (earlier + " / ".join(kept) if kept else "")  # noqa: E731
     while count(compose()) > cap and (kept or lines):  # pieces measured apart may tokenize longer together
         kept, lines = (kept[1:], lines) if kept else (kept, lines[:-1])
+    left_out = [f for f in sorted(facts, key=lambda f: -f.valid_from_turn) if f.value in replaced]
+    lines += [line for line in (_line(f, replaced, superseded) for f in left_out) if line not in lines][:corrections]
     return compose() if (lines or kept) else ""

@@ -124,6 +124,25 @@ def test_a_date_moved_away_from_the_day_a_turn_names_is_superseded_and_a_mere_me
     assert {"Saturday 19 April", "Tuesday 7 April", "Saturday 21 March"} <= current
 
 
+def test_the_newest_corrected_values_the_cap_leaves_out_are_listed_beyond_it():
+    """Dates rank last in the notes, so a small cap drops a moved date; `corrections` lists the newest such
+    values anyway, each once, and only corrected ones."""
+    graph = rules_graph((0, "I'm Dana Whitfield, 37 Larch Close, Bristol BS3 4QT, email dana.w@example.com."),
+                        (1, "Could I book the room for Thursday 17 April, 10 till 12?"),
+                        (2, "My flight out is on 14 April and the move is on Saturday 21 March."),
+                        (5, "Actually, Thursday's no good. Could we have Saturday 19 April, 10 till 12, instead?"),
+                        (7, "Boss just messaged. I now fly out Tuesday 7 April, not the 14th."))
+    words = lambda text: len(text.split())  # noqa: E731
+    capped = render(graph, None, words, cap=10)
+    assert "Date:" not in capped
+    one, two = (render(graph, None, words, cap=10, corrections=n) for n in (1, 2))
+    assert one == capped + "\nDate: Tuesday 7 April (corrected)"
+    assert two == one + "\nDate: Saturday 19 April (corrected)"
+    assert render(graph, None, words, cap=10, corrections=5) == two  # "Saturday 21 March" was never corrected
+    roomy = render(graph, None, words, cap=200, corrections=2)
+    assert roomy == render(graph, None, words, cap=200) and roomy.count("Tuesday 7 April") == 1
+
+
 def test_a_value_denied_beside_its_replacement_is_recorded_superseded_even_if_never_a_fact():
     """"124, not 110": a count no cue marked is still a value the user says is wrong; "it's 2985, not 2958"
     invalidates the code recorded before. The notes then say which one is current."""
