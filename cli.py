@@ -283,8 +283,8 @@ def eval_(
                                "window+memory, sink+memory, h2o+memory, hybrid+memory add long-term memory "
                                "(+memory-text: recalled turns re-prefilled as text, the baseline; +memory-recompute: the +memory run, its "
                                "probes scored on its cache's tokens re-encoded; +graph, +notes, "
-                               "+palace: the memory palace's parts; +palace-forget: the palace, and what corrections superseded leaves the "
-                               "cache; hybrid+topics: no memory, whole topic segments evicted)."),
+                               "+palace: the memory palace's parts; +palace-keep: the palace leaving what corrections superseded in "
+                               "the cache; hybrid+topics: no memory, whole topic segments evicted)."),
     budget: str = typer.Option("25%", help="KV budget: tokens (1024) or a share of the longest full dialogue cache (25%)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Dtype the KV cache is stored in (auto: the model's)."),
     mode: str = typer.Option("choice", help="choice (score the probe's choices) or generate (greedy reply)."),
@@ -310,9 +310,9 @@ def eval_(
                                         help="+notes, +palace: where the notes' KV sits: newest (encoded before "
                                         "the next user turn) or front (after the system prompt, the rest "
                                         "re-rotated)."),
-    notes_corrections: int = typer.Option(0, "--notes-corrections", min=0,
-                                          help="+notes, +palace: the newest corrected values the notes' cap left "
-                                          "out, listed beyond it."),
+    notes_corrections: Optional[int] = typer.Option(None, "--notes-corrections", min=0,
+                                                    help="+notes, +palace: the newest corrected values the notes' cap "
+                                                    "left out, listed beyond it (default: ProfileConfig.corrections)."),
     model: str = ModelOpt,
     device: str = DeviceOpt,
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 where it is fast: CUDA, or a CPU with AMX "
@@ -339,8 +339,8 @@ def eval_(
                         kv_dtype=kv_dtype, mode=mode, map_dialogue=map_id,
                         memory=MemoryConfig(placement=memory_placement, unit=memory_unit, **{
                             name: value for name, value in (("share", memory_share), ("threshold", memory_threshold))
-                            if value is not None}), notes=ProfileConfig(placement=notes_placement,
-                                                                                  corrections=notes_corrections))
+                            if value is not None}), notes=ProfileConfig(placement=notes_placement, **(
+                                {} if notes_corrections is None else {"corrections": notes_corrections})))
     loaded = load_model(model, device, dtype)
     workers = workers or default_workers(loaded.device, len(dialogues))
     pool = WorkerPool(ModelSpec(model, device, dtype), workers) if workers > 1 else None

@@ -29,8 +29,8 @@ class ProfileConfig:
     max_tokens: int = 160
     summary_every: int = 5  # user turns per running-summary keyframe
     superseded: bool = False  # also say what a corrected value replaced ("corrected, not 2QE"), not just "corrected"
-    corrections: int = 0  # the newest corrected values the cap left out, listed beyond it: a date or an amount
-    # ranks last, yet its old value is what the model answers with when both are in the cache
+    corrections: int = 2  # the newest corrected values the cap left out, listed beyond it: a date or an amount
+    # ranks last, and where the correcting turn was evicted the model has only the old value (README)
     placement: str = "newest"  # where the notes' KV sits: "newest" (encoded before the next user turn, drifting
     # back as turns follow) or "front" (moved after the system prompt, the rest re-rotated; README, "What must persist")
 

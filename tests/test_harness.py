@@ -262,8 +262,8 @@ def test_hybrid_topics_evicts_whole_topic_segments_within_budget(loaded, dialogu
     config = make_runner("hybrid+topics", 128, "float32", loaded).config
     assert config.topics and config.memory is None and config.hybrid.granularity == "segment"
     assert make_runner("hybrid", 128, "float32", loaded).config.hybrid.granularity == "token"
-    palace, forget = (make_runner(f"hybrid{kind}", 128, "float32", loaded).config for kind in ("+palace", "+palace-forget"))
-    assert forget.forget_stale and not palace.forget_stale and forget.graph and forget.profile == palace.profile
+    palace, keep = (make_runner(f"hybrid{kind}", 128, "float32", loaded).config for kind in ("+palace", "+palace-keep"))
+    assert palace.forget_stale and not keep.forget_stale and keep.graph and keep.profile == palace.profile
     result = evaluate(loaded, dialogues, EvalConfig(["hybrid", "hybrid+topics"], Budget(128, percent=False)))
     topics = run_of(result, "hybrid+topics")
     assert max(sample.kv_tokens for sample in topics.turns) <= 128 and len(topics.probes) == len(run_of(result, "hybrid").probes)

@@ -140,11 +140,11 @@ MEMORY = "+memory"  # a policy name's suffix: that policy with long-term memory 
 MEMORY_TEXT = "+memory-text"  # the same, recalled turns re-prefilled as text instead of spliced as KV (baseline)
 GRAPH = "+graph"  # long-term memory whose recall the entity graph's resolved references also steer
 NOTES = "+notes"  # long-term memory with the profile and running summary as notes in the permanent tier
-PALACE = "+palace"  # both: the whole memory palace
-FORGET = "+palace-forget"  # the whole palace, and the cache drops what corrections superseded (AgentConfig.forget_stale)
+PALACE = "+palace"  # both: the whole memory palace (the cache drops what corrections superseded: AgentConfig.forget_stale)
+KEEP = "+palace-keep"  # the palace with superseded values left in the cache (the default until the twenty-second session)
 RECOMPUTE = "+memory-recompute"  # the +memory run, its probes scored on its cache's tokens re-encoded (RecomputedScoring)
 TOPICS = "+topics"  # no memory: the topic classifier's segments, which the hybrid evicts whole (granularity "segment")
-KINDS = ("", MEMORY, MEMORY_TEXT, RECOMPUTE, GRAPH, NOTES, PALACE, FORGET, TOPICS)
+KINDS = ("", MEMORY, MEMORY_TEXT, RECOMPUTE, GRAPH, NOTES, PALACE, KEEP, TOPICS)
 
 
 def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedModel,
@@ -163,10 +163,10 @@ def make_runner(policy: str, budget: int | None, kv_dtype: str, loaded: LoadedMo
         memory = replace(memory, reinject="text")
     if kind == NOTES:
         memory = replace(memory, referents=False)
-    notes = kind in (NOTES, PALACE, FORGET)
+    notes = kind in (NOTES, PALACE, KEEP)
     runner = RecomputedScoring if kind == RECOMPUTE else CacheRunner
     return runner(loaded, AgentConfig(policy=cache_policy, budget_tokens=budget, storage=StorageConfig(kv_dtype),
                                       hybrid=HybridConfig(granularity="segment" if kind == TOPICS else "token"),
                                       topics=bool(kind), memory=memory if kind and kind != TOPICS else None,
-                                      graph=kind in (GRAPH, NOTES, PALACE, FORGET), forget_stale=kind == FORGET,
+                                      graph=kind in (GRAPH, NOTES, PALACE, KEEP), forget_stale=kind == PALACE,
                                       profile=profile if notes else None))
