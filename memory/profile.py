@@ -1,13 +1,13 @@
 """The notes the permanent tier carries: a profile of the user's current facts (from the entity graph)
-and the running summary, as one short text within a token cap.
+and the running summary, as one short text within a token cap (and a few corrected values beyond it).
 
 The profile lists current values only; a corrected one is marked "(corrected)" (optionally with the value
 it replaced), so the model reads which is current; the superseded values stay in the graph, queryable.
 Preferences and taboos are the user's own words ("Asked: never phone me at work"). Lines are taken in
 priority order (who the user is, how to reach them and how not, where they live, their references, other
-preferences and taboos, then amounts and dates, newest first, then the summary) until the cap is reached:
-the notes never grow past their share of the budget, and they are replaced, not appended, when they
-change."""
+preferences and taboos, then amounts and dates, newest first, then the summary) until the cap is reached,
+and then the newest corrected values the cap left out (a few lines: the model answers with an old value
+when the turn that corrected it is gone). The notes are replaced, not appended, when they change."""
 
 from __future__ import annotations
 
@@ -115,6 +115,6 @@ def render(graph: EntityGraph | None, summary: RunningSummary | None, count: Cal
     compose = lambda: "\n".join([header, *lines]) + (earlier + " / ".join(kept) if kept else "")  # noqa: E731
     while count(compose()) > cap and (kept or lines):  # pieces measured apart may tokenize longer together
         kept, lines = (kept[1:], lines) if kept else (kept, lines[:-1])
-    left_out = [f for f in sorted(facts, key=lambda f: -f.valid_from_turn) if f.value in replaced]
-    lines += [line for line in (_line(f, replaced, superseded) for f in left_out) if line not in lines][:corrections]
+    corrected = [f for f in sorted(facts, key=lambda f: -f.valid_from_turn) if f.value in replaced]  # newest first
+    lines += [line for line in (_line(f, replaced, superseded) for f in corrected) if line not in lines][:corrections]
     return compose() if (lines or kept) else ""
