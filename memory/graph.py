@@ -6,7 +6,9 @@ points to: a networkx graph, built by rules (no parser model is available offlin
 - Edges: turn -mentions-> entity (with role; salience decays with the turns since), and user -fact->
   value entity with `attribute`, `valid_from_turn` and `invalid_from_turn`. Facts are Graphiti-style: a
   correction ("it's 2QF, not 2QE"; "we moved, we're at ... now") closes the old fact's validity and keeps
-  it, marked superseded, so what the user said before stays queryable.
+  it, marked superseded, so what the user said before stays queryable. A date, amount or measure a turn
+  changes, the user's or a reply ("Moved: your first lesson is now Thursday 12 June"), replaces the earlier
+  one of the same thing (`memory/slots.py`).
 - Coreference: a pronoun, "that one", "the other address" or "my daughter" in a new turn resolves to the
   most salient earlier entity compatible with it (a person of that gender for "she", a thing for "it", a
   place for "there", an entity that goes by the phrase's head noun for "the other address", the person
@@ -27,6 +29,7 @@ import networkx as nx
 
 from classifiers.persistence import PersistenceMarker, Span, value_spans
 from classifiers.topics import STOPWORDS
+from memory.slots import CALENDAR, DAY_NAMED, Value, ValueLedger, names_day, plain as _plain, values
 
 USER = "user"
 DECAY = 0.2  # salience kept per turn gone by
@@ -179,6 +182,7 @@ class EntityGraph:
         self.facts: list[Fact] = []
         self.resolutions: dict[int, list[Resolution]] = {}
         self.last_reply: str | None = None  # what a short answer in the next user turn answers ("Bank transfer.")
+        self.ledger = ValueLedger()  # every date, time, amount and measure said, for a change to find what it replaces
 
     # --- building ------------------------------------------------------------------------------
     def observe(self, turn: int, text: str) -> tuple[list[Span], list[Resolution]]:
@@ -192,14 +196,18 @@ class EntityGraph:
             entity.mentions.append((turn, REFERRED))
             self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="refers", span=resolution.span)
         self._facts(turn, text, spans)
+        self._replaced(turn, text, values(text, spans))
         self.resolutions[turn] = [resolution for resolution, _ in resolved]
         return spans, self.resolutions[turn]
 
     def mention(self, turn: int, text: str) -> None:
-        """A reply: its named entities gain salience (replies name what "it" will refer to)."""
+        """A reply: its named entities gain salience (replies name what "it" will refer to), and a value it
+        moves or changes replaces the earlier one (the assistant books the slot, and moves it)."""
         text = text.replace("\u2019", "'")
         self.last_reply = text
-        self._mention(turn, text, "assistant", value_spans(text))  # a reply's cue clauses are not the user's wishes
+        spans = value_spans(text)  # a reply's cue clauses are not the user's wishes
+        self._mention(turn, text, "assistant", spans)
+        self._replaced(turn, text, values(text, spans))  # "Moved: your first lesson is now Thursday 12 June"
 
     def _mention(self, turn: int, text: str, role: str, spans: list[Span]) -> None:
         """Record the entities a text names; a mention weighs more the later it comes in the text, and
@@ -455,7 +463,7 @@ class EntityGraph:
         dates = [s for s in spans if s.type == "date" and s.attribute == "date"]
         if not dates:
             return
-        cue, named = _MOVE.search(text), list(_OLD_DAY.finditer(text))
+        cue, named = _MOVE.search(text), list(DAY_NAMED.finditer(text))
         if cue is not None:
             new = next((d for d in dates if d.start >= cue.start()), dates[-1])
             named = [m for m in named if not new.start <= m.start() < new.end]
@@ -466,8 +474,27 @@ class EntityGraph:
             return
         for old in self.current_facts():
             if old.type == "date" and old.attribute == "date" and old.valid_from_turn < turn and old.value != new.text \
-                    and any(_names_day(old.value, m) for m in named):
+                    and any(names_day(old.value, m) for m in named):
                 self._supersede(old, new.text, turn)
+
+    def _replaced(self, turn: int, text: str, found: list[Value]) -> None:
+        """A turn's values that replace earlier ones (memory/slots.py): the earlier one's current facts are
+        superseded (one said in a reply only is recorded as superseded), and the new value is a current fact.
+        A value a rule above already moved this turn is left as it is."""
+        moved = {_plain(f.superseded_by or "") for f in self.facts if f.invalid_from_turn == turn}
+        for old, new, kind in self.ledger.replaced(turn, text, found):
+            if _plain(new) in moved:
+                continue
+            held = [f for f in self.current_facts() if _plain(f.value) == _plain(old) and f.valid_from_turn < turn]
+            if not held:
+                said = next(s.turn for s in self.ledger.said if _plain(s.text) == _plain(old))
+                attribute = "measure" if kind.startswith("measure:") else kind
+                held = [Fact(attribute, old, "date" if kind in ("date", "time") else "amount", said)]
+                self.facts.append(held[0])
+            for fact in held:
+                self._supersede(fact, new, turn)
+            self._add(Fact(held[0].attribute, new, held[0].type, turn))
+        self.ledger.record(turn, text, found)
 
     def _patch(self, old: Fact, piece: str, new: str, turn: int) -> str:
         """Replace the denied piece of an old value (or the whole, when the new piece is written whole
@@ -482,6 +509,7 @@ class EntityGraph:
 
     def _supersede(self, old: Fact, value: str, turn: int) -> None:
         old.invalid_from_turn, old.superseded_by = turn, value
+        self.ledger.gone.add(_plain(old.value))
         self._edge(old)
 
     def _add(self, fact: Fact) -> None:
@@ -647,7 +675,7 @@ class EntityGraph:
                 "entities": [{**asdict(e), "aliases": sorted(e.aliases)} for e in self.entities.values()],
                 "facts": [asdict(fact) for fact in self.facts],
                 "resolutions": {turn: [r.as_dict() for r in found] for turn, found in self.resolutions.items()},
-                "last_reply": self.last_reply}
+                "last_reply": self.last_reply, "ledger": self.ledger.state()}
 
     @classmethod
     def from_state(cls, state: dict, marker: PersistenceMarker | None = None) -> "EntityGraph":
@@ -660,6 +688,7 @@ class EntityGraph:
         graph.facts = [Fact(**fields) for fields in state["facts"]]
         graph.resolutions = {int(turn): [Resolution(**r) for r in found] for turn, found in state["resolutions"].items()}
         graph.last_reply = state.get("last_reply")  # absent in sessions saved before it was kept
+        graph.ledger = ValueLedger.from_state(state.get("ledger"))  # likewise
         return graph
 
     def current_facts(self) -> list[Fact]:
@@ -823,9 +852,6 @@ def _changed_pieces(old: str, new: str) -> list[str]:
 _MOVE = re.compile(r"\b(?:move[ds]?|moving|make it|instead|push(?:ed)?|swap|brought forward|bring (?:it )?forward|"
                    r"rather than|switch|change (?:it|that) to|won't work|no good|can't do|isn't possible|not possible)\b",
                    re.I)
-_WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")  # told by 3 letters
-_OLD_DAY = re.compile(r"\b(?:(?P<weekday>(?:mon|tues?|wed(?:nes)?|thu(?:rs?)?|fri|sat(?:ur)?|sun)(?:day)?)(?:'?s)?"
-                      r"|(?P<day>[123]?\d)(?:st|nd|rd|th))\b", re.I)
 _NEW_NOT_OLD = re.compile(  # "124, not 110"; "18 m, not 14.5"; "it's 7726 now, not 5093" (not "..., not 37 Larch Close")
     r"(?P<new>[£$€]?\d[\d,.:]*(?:\s?(?!now\b|then\b)[A-Za-z]+)?)(?:\s+(?:now|then))?,?\s+(?i:not)\s+(?:the\s+)?"
     r"(?P<old>[£$€]?\d[\d,.:]*\d|\d)(?![\w])(?=\s*(?:[,.;:!?)\-–]|$|(?i:and|but|so|please|then|now)\b))")
@@ -842,14 +868,6 @@ def _is_day_of_month(text: str) -> bool:
     """Whether a text is an ordinal day of the month ("14th", "the 3rd")."""
     match = re.fullmatch(r"(?:the\s+)?([123]?\d)(?:st|nd|rd|th)", text.strip(), re.I)
     return bool(match) and 1 <= int(match.group(1)) <= 31
-
-
-def _names_day(value: str, mention: re.Match) -> bool:
-    """Whether a date value names the weekday or the day of the month a mention names."""
-    if mention.group("weekday"):
-        day = next(d for d in _WEEKDAYS if d.startswith(mention.group("weekday")[:3].lower()))
-        return day in value.lower()
-    return re.search(rf"(?<!\d){int(mention.group('day'))}(?!\d)", value) is not None
 
 
 def _shape(value: str) -> str:
@@ -886,11 +904,6 @@ def _key(name: str) -> str:
     return " ".join(_CONTENT.findall(name.lower()))
 
 
-def _plain(word: str) -> str:
-    """Its letters and digits, lowercase: "RW-5X82-QT" -> "rw5x82qt"."""
-    return "".join(_CONTENT.findall(word.lower()))
-
-
 def _relation_near(text: str, start: int, end: int) -> str | None:
     """The relation a name is introduced with: "my daughter Ellie", "my fiancé is Dev" or "Biscuit, my beagle"."""
     found = _RELATION_BEFORE.search(text[max(0, start - 40):start]) or _RELATION_AFTER.match(text[end:])
@@ -925,8 +938,6 @@ _STREETS = frozenset("street road lane close avenue drive way parade yard mews c
 _LOCATIVE = re.compile(r"\b(?:at|in|near|into|around|from)\s+$", re.I)
 _CLITIC = re.compile(r"'(?:s|ll|ve|d|re|m)$", re.I)
 _TITLES = frozenset(("mr", "mrs", "ms", "miss", "dr"))
-CALENDAR = frozenset("""monday tuesday wednesday thursday friday saturday sunday january february march april may june july
-august september october november december""".split())
 
 
 _COMMON_STARTS = frozenset("""hello hi hey thanks thank yes yeah no ok okay great lovely right sorry please could can would

@@ -4,6 +4,8 @@ components: the rules and the scikit-learn clause model, networkx, the embedded 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,42 @@ def test_a_date_moved_away_from_the_day_a_turn_names_is_superseded_and_a_mere_me
         ("Thursday 17 April", "Saturday 19 April", 5), ("14 April", "Tuesday 7 April", 7)}
     current = {f.value for f in graph.current_facts() if f.type == "date"}
     assert {"Saturday 19 April", "Tuesday 7 April", "Saturday 21 March"} <= current
+
+
+def test_a_reply_that_moves_a_booking_supersedes_the_date_it_booked_and_an_offer_or_a_range_end_does_not():
+    """The assistant books and moves: "Moved: your first lesson is now Thursday 12 June" replaces the date
+    whose sentence shares "first lesson" with it, and the graph keeps the old one superseded. Offering
+    another slot replaces nothing; "now starts on ... and still ends on ..." leaves the end it says again."""
+    graph = rules_graph(
+        (0, "Can I book driving lessons?", "Done: your first lesson is Tuesday 10 June, 5pm to 7pm, with Priya."),
+        (1, "And the homestay?", "Booked: your homestay starts on Saturday 6 September and ends on Saturday 29 November."),
+        (2, "Something came up on Tuesday.", "Priya also has Friday 13 June free, or Thursday 12 June."),
+        (3, "Thursday please.", "Moved: your first lesson is now Thursday 12 June, 5pm to 7pm, with Priya."),
+        (4, "My flight was changed, I now land on Sunday 7 September.",
+         "Your homestay now starts on Sunday 7 September and still ends on Saturday 29 November."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {
+        ("Tuesday 10 June", "Thursday 12 June"), ("Saturday 6 September", "Sunday 7 September")}
+    current = {f.value for f in graph.current_facts()}
+    assert {"Thursday 12 June", "Sunday 7 September"} <= current and "Friday 13 June" not in current
+    loaded = EntityGraph.from_state(json.loads(json.dumps(graph.state())), PersistenceMarker(None))  # as a session saves it
+    loaded.observe(5, "Sorry, can the lesson move again?")
+    loaded.mention(5, "Moved: your first lesson is now Monday 16 June, 5pm to 7pm.")
+    assert ("Thursday 12 June", "Monday 16 June") in {(f.value, f.superseded_by) for f in loaded.superseded()}
+
+
+def test_a_measure_denied_or_an_amount_replaced_in_so_many_words_is_superseded_and_other_amounts_are_not():
+    """"The caravan isn't 7.2 metres ... it's 8.1 metres" and "36kg ..., not 34" deny a measure said before;
+    "raised from £6,000 to £9,000" and "£250 instead of £500" pair amounts. An amount said near a cue
+    ("a £99 fee ... if the car isn't as described") replaces no earlier price: a dialogue has too many."""
+    graph = rules_graph((0, "Caravan details: 7.2 metres long and 2.6 metres high. He weighs 34kg."),
+                        (1, "Cover of £6,000 please, and an overdraft of £500.", "Added: £6,000 goods cover."),
+                        (2, "OK, £2,050 for the car.", "Agreed: £2,050 for the Focus."),
+                        (3, "The caravan isn't 7.2 metres. With the A-frame it's 8.1 metres. He was 36kg last week, not 34."),
+                        (4, "Make it £9,000. And the overdraft: make it £250.",
+                         "Updated: goods cover raised from £6,000 to £9,000. Your overdraft is now £250 instead of £500."),
+                        (5, "What does holding it cost?", "A £99 reservation fee, refundable if the car isn't as described."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {
+        ("7.2 metres", "8.1 metres"), ("34kg", "36kg"), ("£6,000", "£9,000"), ("£500", "£250")}
 
 
 def test_the_newest_corrected_values_the_cap_leaves_out_are_listed_beyond_it():
