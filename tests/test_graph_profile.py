@@ -162,6 +162,27 @@ def test_a_measure_denied_or_an_amount_replaced_in_so_many_words_is_superseded_a
         ("7.2 metres", "8.1 metres"), ("34kg", "36kg"), ("£6,000", "£9,000"), ("£500", "£250")}
 
 
+def test_a_reply_replacing_one_value_with_another_or_cancelling_a_day_supersedes_it():
+    """"Replacing the £83 with £340" and "£9,120, replacing the £8,460" pair amounts; "moved ... to Monday 16
+    June, and cancelled the Wednesday slot" names the old date's day. A graph saved before the ledger existed
+    loads, and takes later corrections from then on."""
+    graph = rules_graph(
+        (0, "How much is the fragile packing?", "Fragile packing is £83, and the builder quoted £8,460."),
+        (1, "Book my eye test please.", "Booked: your eye test is on Wednesday 11 June at 4:15pm."),
+        (2, "Can you pack everything?", "Of course. Replacing the £83 with £340, the total is £1,933."),
+        (3, "He has revised his quote.", "Updated: the quote is now £9,120, replacing the £8,460."),
+        (4, "I'm on shift that Wednesday now.",
+         "I've moved your eye test to Monday 16 June at 4:15pm, and cancelled the Wednesday slot."))
+    assert {(f.value, f.superseded_by) for f in graph.superseded()} == {
+        ("£83", "£340"), ("£8,460", "£9,120"), ("Wednesday 11 June", "Monday 16 June")}
+    state = json.loads(json.dumps(graph.state()))
+    del state["ledger"]  # a session saved by an earlier version
+    loaded = EntityGraph.from_state(state, PersistenceMarker(None))
+    loaded.mention(5, "Your overdraft limit is £500.")
+    loaded.mention(6, "Done: your overdraft limit is now £250 instead of £500.")
+    assert ("£500", "£250") in {(f.value, f.superseded_by) for f in loaded.superseded()}
+
+
 def test_the_newest_corrected_values_the_cap_leaves_out_are_listed_beyond_it():
     """Dates rank last in the notes, so a small cap drops a moved date; `corrections` lists the newest such
     values anyway, each once, and only corrected ones."""
