@@ -371,7 +371,7 @@ class Agent:
             stale = self._stale(meta) & ~meta.pinned & (meta.turn != NOTES_TURN)
             if bool(stale.any()):
                 self.store.make_room(0, drop=stale)
-            self._charge("graph_reply", started)
+            self._charge("forget", started)
         if self.config.profile is not None and self.config.profile.placement == "front":
             self._notes_to_front()
         if self.memory is not None:

@@ -191,7 +191,7 @@ def test_part_c_reports_every_step_of_the_memory_palace_against_the_hybrid(embed
     result = part_c(embedded, 8, lambda message: None)
     palace, hybrid = result["runs"]["hybrid+palace"], result["runs"]["hybrid"]
     assert result["turns"] == 8 and result["budget_tokens"] == max(64, result["full_tokens"] // 4)
-    assert set(palace["steps"]) >= {"embed", "topics", "graph", "search", "embed_reply", "archive", "notes"} \
+    assert set(palace["steps"]) >= {"embed", "topics", "graph", "search", "embed_reply", "forget", "archive", "notes"} \
         and not hybrid["steps"]
     assert palace["on_clock_ms"]["p50"] <= palace["memory_ms"]["p50"] + 1e-9
     assert palace["steps"]["embed"]["p50"] > 0 and hybrid["memory_ms"] == {}

@@ -9,8 +9,8 @@ quarter of its full length as the budget, like `palace eval --budget 25%`.
 Steps (LongTermMemory.steps): on the turn's clock `embed` (the user's words), `topics` (the topic
 classifier's decision), `graph` (facts, references), `search` (FAISS and the archive's metadata),
 `splice` (re-injecting KV, with the eviction that makes room); after the reply `embed_reply` (the reply,
-for its topic and its archived stretches), `graph_reply` (the reply's mentions, the running summary),
-`archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed, dropping its
+for its topic and its archived stretches), `graph_reply` (the reply's mentions and corrections, the running
+summary), `forget` (dropping the live tokens of values a correction superseded), `archive` (what the turn evicted) and `notes` (rendering the profile and, when it changed, dropping its
 old KV; the new notes' forward is part of the reply's feed)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 ON_CLOCK = ("embed", "topics", "graph", "search", "splice")
-STEPS = (*ON_CLOCK, "embed_reply", "graph_reply", "archive", "notes")
+STEPS = (*ON_CLOCK, "embed_reply", "graph_reply", "forget", "archive", "notes")
 
 
 DEFAULT_DIALOGUE = ROOT / "data" / "dialogues.jsonl"
