@@ -14,6 +14,7 @@ The ledger only answers which pairs; the entity graph records them as superseded
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass
 
@@ -54,10 +55,13 @@ SLOTS = ("date",)  # kinds (and measures) whose slot is found by context: times 
 # things in one dialogue (fees, totals, deposits) for shared words to tell which one changed; a denial still does
 DENIED_HERE = 2  # what a denial of the old value, or its day named, weighs against one shared word
 SAME_SLOT = 2  # the least score that says two values are of one slot: two shared words, or a denial
+LEDGER_SIZE = 2048  # values kept (a 50-turn dialogue says 300-500): a long chat's ledger stays bounded
 
 
+@functools.lru_cache(maxsize=LEDGER_SIZE)
 def plain(text: str) -> str:
-    """Its letters and digits, lowercase: "RW-5X82-QT" -> "rw5x82qt"."""
+    """Its letters and digits, lowercase: "RW-5X82-QT" -> "rw5x82qt" (cached: the ledger asks it of every
+    value it holds at each change)."""
     return "".join(_CONTENT.findall(text.lower()))
 
 
@@ -111,6 +115,7 @@ class ValueLedger:
                       and _sentence(text, v.start) == _sentence(text, value.start)]
             self.said.append(Said(turn, value.kind, value.text, tuple(sorted(_context(text, value, found))),
                                   tuple(beside)))
+        del self.said[:-LEDGER_SIZE]
 
     def replaced(self, turn: int, text: str, found: list[Value]) -> list[tuple[str, str, str]]:
         """(old value as first written, new value, kind) for each value this turn replaces: explicit pairs,
@@ -206,8 +211,9 @@ def _same(said: Said, new: Value) -> bool:
     return _words(said.text) <= _words(new.text) or _words(new.text) <= _words(said.text)
 
 
-def _words(value: str) -> set[str]:
-    return set(_CONTENT.findall(value.lower()))
+@functools.lru_cache(maxsize=LEDGER_SIZE)
+def _words(value: str) -> frozenset[str]:
+    return frozenset(_CONTENT.findall(value.lower()))
 
 
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
