@@ -183,6 +183,7 @@ class EntityGraph:
         self.resolutions: dict[int, list[Resolution]] = {}
         self.last_reply: str | None = None  # what a short answer in the next user turn answers ("Bank transfer.")
         self.ledger = ValueLedger()  # every date, time, amount and measure said, for a change to find what it replaces
+        self.user_named: set[str] = set()  # nodes of the entities a user turn named ("the code I gave you")
 
     # --- building ------------------------------------------------------------------------------
     def observe(self, turn: int, text: str) -> tuple[list[Span], list[Resolution]]:
@@ -223,6 +224,8 @@ class EntityGraph:
             weight = ROLE_WEIGHT[role] * (1 + LATE * start / len(text)) * (DENIED if _inside(start, end, denied) else 1)
             entity.mentions.append((turn, weight))
             self.graph.add_edge(f"turn:{turn}", f"entity:{entity.key}", kind="mentions", role=role, turn=turn)
+            if role == "user":
+                self.user_named.add(f"entity:{entity.key}")
             if not proper:
                 nouns.append((entity, start, end))
             elif kind not in ("date", "amount", "contact", "address"):
@@ -640,9 +643,10 @@ class EntityGraph:
             scored = _related(candidates, value[0])
         else:  # a phrase ("the eye test"), "the other address", "the broken one"; "the claim cover" may end in a verb
             if how == "given":  # "the code I gave you": one the user named
-                said = {v for _, v, d in self.graph.edges(data=True) if d.get("role") == "user"}
-                earlier = [(e, words) for e, words in earlier if f"entity:{e.key}" in said]
+                earlier = [(e, words) for e, words in earlier if f"entity:{e.key}" in self.user_named]
             stems = [_stem(w) for w in value]
+            wanted = set(stems)  # an entity that goes by none of the phrase's words matches no prefix of it
+            earlier = [(e, words) for e, words in earlier if not wanted.isdisjoint(words)]
             used, scored = next(((n, found) for n in range(len(stems), 0, -1) if (found := [
                 (m, e) for e, words in earlier if (m := _matches(e, words, stems[:n], how != "one"))])), (used, []))
             if not scored and (how == "one" or not value):  # "that one", "the other one": a thing
@@ -689,6 +693,7 @@ class EntityGraph:
         graph.resolutions = {int(turn): [Resolution(**r) for r in found] for turn, found in state["resolutions"].items()}
         graph.last_reply = state.get("last_reply")  # absent in sessions saved before it was kept
         graph.ledger = ValueLedger.from_state(state.get("ledger"))  # likewise
+        graph.user_named = {v for _, v, d in graph.graph.edges(data=True) if d.get("role") == "user"}
         return graph
 
     def current_facts(self) -> list[Fact]:
