@@ -485,7 +485,8 @@ class EntityGraph:
         superseded (one said in a reply only is recorded as superseded), and the new value is a current fact.
         A value a rule above already moved this turn is left as it is."""
         moved = {_plain(f.superseded_by or "") for f in self.facts if f.invalid_from_turn == turn}
-        for old, new, kind in self.ledger.replaced(turn, text, found):
+        gone = {_plain(f.value) for f in self.superseded()}
+        for old, new, kind in self.ledger.replaced(turn, text, found, gone):
             if _plain(new) in moved:
                 continue
             held = [f for f in self.current_facts() if _plain(f.value) == _plain(old) and f.valid_from_turn < turn]
@@ -512,7 +513,6 @@ class EntityGraph:
 
     def _supersede(self, old: Fact, value: str, turn: int) -> None:
         old.invalid_from_turn, old.superseded_by = turn, value
-        self.ledger.gone.add(_plain(old.value))
         self._edge(old)
 
     def _add(self, fact: Fact) -> None:

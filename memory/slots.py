@@ -103,11 +103,10 @@ def values(text: str, spans: list[Span]) -> list[Value]:
 
 
 class ValueLedger:
-    """Every date, time, amount and measure said so far, and which were replaced."""
+    """Every date, time, amount and measure said so far."""
 
     def __init__(self) -> None:
         self.said: list[Said] = []
-        self.gone: set[str] = set()  # plain values replaced (by any rule of the graph)
 
     def record(self, turn: int, text: str, found: list[Value]) -> None:
         for value in found:
@@ -117,9 +116,10 @@ class ValueLedger:
                                   tuple(beside)))
         del self.said[:-LEDGER_SIZE]
 
-    def replaced(self, turn: int, text: str, found: list[Value]) -> list[tuple[str, str, str]]:
+    def replaced(self, turn: int, text: str, found: list[Value], gone: set[str]) -> list[tuple[str, str, str]]:
         """(old value as first written, new value, kind) for each value this turn replaces: explicit pairs,
-        then the best-scored (old, new) pairs, each value in one pair at most."""
+        then the best-scored (old, new) pairs, each value in one pair at most. `gone`: the plain values
+        already replaced (the graph's superseded facts), which nothing replaces again."""
         if not CHANGE.search(text):
             return []
         denied = [m.end() for m in _DENIAL.finditer(text)]  # where a denied value starts
@@ -127,12 +127,12 @@ class ValueLedger:
         for old, new in explicit:
             earlier = [s for s in self.said if s.turn < turn and s.kind == old.kind and _words(old.text) <= _words(s.text)]
             olds |= {plain(old.text), *(plain(s.text) for s in earlier)}
-            if earlier and plain(earlier[0].text) not in self.gone:
+            if earlier and plain(earlier[0].text) not in gone:
                 pairs.append((earlier[0].text, new.text, new.kind))
         taken = {plain(v.text) for pair in explicit + _ranges(text, found) for v in pair}
         again = [v for v in found if v.start not in denied]  # said again, not denied: still valid
         scored = [candidate for new in found if new.start not in denied and plain(new.text) not in taken
-                  and self._new(turn, new) for candidate in self._candidates(turn, text, new, found, denied, again)]
+                  and self._new(turn, new) for candidate in self._candidates(turn, text, new, found, denied, again, gone)]
         for *_, new, said in sorted(scored, key=lambda c: c[:3], reverse=True):
             if plain(new.text) not in taken and plain(said.text) not in olds:
                 taken.add(plain(new.text))
@@ -146,7 +146,7 @@ class ValueLedger:
                    and plain(s.text) == plain(value.text))
 
     def _candidates(self, turn: int, text: str, new: Value, found: list[Value], denied: list[int],
-                    again: list[Value]) -> list[tuple[int, int, int, Value, Said]]:
+                    again: list[Value], gone: set[str]) -> list[tuple[int, int, int, Value, Said]]:
         """(score, -calendar distance, turn, new, earlier) for each earlier value of the new one's kind that
         this turn may replace: one it denies or names the day of, or, when the new value's own sentence
         says it changes, one whose sentence shares words with it. Of equal scores, the nearest date wins
@@ -157,12 +157,12 @@ class ValueLedger:
         days = [m for m in DAY_NAMED.finditer(text) if new.kind == "date" and m.start() in denied
                 and not names_day(new.text, m)]  # "cancelled the Wednesday slot"
         beside = {old for s in self.said if s.kind == new.kind and plain(s.text) == key for old in s.beside}
-        skip, best = self.gone | beside, {}  # best: old -> candidate
+        skip, best = gone | beside, {}  # best: old -> candidate
         for said in self.said:
             old = plain(said.text)
             if said.turn >= turn or said.kind != new.kind or old in skip or any(_same(said, v) for v in again):
                 continue
-            score = len(context & set(said.context)) + DENIED_HERE * (
+            score = len(context.intersection(said.context)) + DENIED_HERE * (
                 _denied_here(said, text, denied) or any(names_day(said.text, m) for m in days))
             candidate = (score, -_distance(said.text, new.text), said.turn, new, said)
             if score >= SAME_SLOT and (old not in best or candidate[:3] > best[old][:3]):
@@ -170,14 +170,13 @@ class ValueLedger:
         return list(best.values())
 
     def state(self) -> dict:
-        return {"said": [asdict(s) for s in self.said], "gone": sorted(self.gone)}
+        return {"said": [asdict(s) for s in self.said]}
 
     @classmethod
     def from_state(cls, state: dict | None) -> "ValueLedger":
         ledger = cls()
         for fields in (state or {}).get("said", []):
             ledger.said.append(Said(**{**fields, "context": tuple(fields["context"]), "beside": tuple(fields["beside"])}))
-        ledger.gone = set((state or {}).get("gone", []))
         return ledger
 
 
