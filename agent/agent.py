@@ -336,8 +336,10 @@ class Agent:
     @one_thread
     def note_reply(self, turn: Turn, reply: str | None) -> None:
         """The reply joins the turn's topic and is what its evicted stretches are archived as (callers
-        that feed `reply_feed` themselves call this too)."""
-        turn.reply = reply if reply is not None else turn.reply
+        that feed `reply_feed` themselves call this too). A `reply` given is on record and may move the
+        user's values in the graph; `None` means the model decoded `turn.reply`, which may not."""
+        on_record = reply is not None
+        turn.reply = reply if on_record else turn.reply
         if not turn.reply:
             return
         started = time.perf_counter()
@@ -351,7 +353,7 @@ class Agent:
                 self.memory.vectors[(turn.index, "assistant")] = reply_vector
         started = time.perf_counter()
         if self.graph is not None:
-            self.graph.mention(turn.index, turn.reply)
+            self.graph.mention(turn.index, turn.reply, changes=on_record)
         if self.summary is not None and turn.embedding is not None:
             self.summary.add(turn.index, turn.text, turn.embedding)
         self._charge("graph_reply", started)

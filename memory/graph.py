@@ -201,14 +201,20 @@ class EntityGraph:
         self.resolutions[turn] = [resolution for resolution, _ in resolved]
         return spans, self.resolutions[turn]
 
-    def mention(self, turn: int, text: str) -> None:
-        """A reply: its named entities gain salience (replies name what "it" will refer to), and a value it
-        moves or changes replaces the earlier one (the assistant books the slot, and moves it)."""
+    def mention(self, turn: int, text: str, changes: bool = True) -> None:
+        """A reply: its named entities gain salience (replies name what "it" will refer to), and, when it
+        `changes` values (a reply on record: scripted, or an operator's), a value it moves replaces the
+        earlier one (the assistant books the slot, and moves it). A reply the small model decoded may invent
+        a move, so its values are only recorded: what the user said stays current."""
         text = text.replace("\u2019", "'")
         self.last_reply = text
         spans = value_spans(text)  # a reply's cue clauses are not the user's wishes
         self._mention(turn, text, "assistant", spans)
-        self._replaced(turn, text, values(text, spans))  # "Moved: your first lesson is now Thursday 12 June"
+        found = values(text, spans)
+        if changes:
+            self._replaced(turn, text, found)  # "Moved: your first lesson is now Thursday 12 June"
+        else:
+            self.ledger.record(turn, text, found)
 
     def _mention(self, turn: int, text: str, role: str, spans: list[Span]) -> None:
         """Record the entities a text names; a mention weighs more the later it comes in the text, and

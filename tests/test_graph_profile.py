@@ -12,6 +12,7 @@ import torch
 
 from agent import Agent, AgentConfig
 from agent.agent import NOTES_TURN
+from agent.model import load_model
 from classifiers.persistence import PersistenceMarker, PreferenceModel
 from memory.graph import EntityGraph
 from memory.profile import ProfileConfig, render
@@ -181,6 +182,21 @@ def test_a_reply_replacing_one_value_with_another_or_cancelling_a_day_supersedes
     loaded.mention(5, "Your overdraft limit is £500.")
     loaded.mention(6, "Done: your overdraft limit is now £250 instead of £500.")
     assert ("£500", "£250") in {(f.value, f.superseded_by) for f in loaded.superseded()}
+
+
+def test_a_reply_the_model_decoded_moves_no_value_and_one_on_record_does(tiny_dir):
+    """`palace chat`'s replies are the small model's own and may invent a move: the agent records their
+    values but supersedes nothing; the same reply given as the record (scripted, as `palace
+    eval` feeds it) supersedes it."""
+    agent = Agent(load_model(tiny_dir, device="cpu"), AgentConfig(model=tiny_dir, budget_tokens=400, graph=True))
+    teacher_force(agent, "Book my eye test please.", "Booked: your eye test is on Wednesday 11 June at 4:15pm.")
+    moved = "I've moved your eye test to Monday 16 June at 4:15pm, and cancelled the Wednesday slot."
+    turn = ask(agent, "Is there anything sooner?")
+    turn.reply = moved  # as `stream` leaves a decoded reply before `remember`
+    agent.note_reply(turn, None)
+    assert not agent.graph.superseded() and not agent.graph.stale()
+    agent.note_reply(ask(agent, "Is there anything sooner?"), moved)
+    assert [(f.value, f.superseded_by) for f in agent.graph.superseded()] == [("Wednesday 11 June", "Monday 16 June")]
 
 
 def test_the_newest_corrected_values_the_cap_leaves_out_are_listed_beyond_it():
