@@ -31,6 +31,7 @@ from cache.meta import TokenMeta
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
+from classifiers.acts import asks_recap
 from memory.graph import EntityGraph, Resolution
 from memory.profile import ProfileConfig, render
 from memory.recall import LongTermMemory, MemoryConfig, Recalled, names_in
@@ -318,7 +319,8 @@ class Agent:
         stale = self.graph.stale() if self._forgets else []  # pieces of superseded values: never re-injected
         turn.recalled = self.memory.recall(turn.index, turn.embedding, names_in(turn.text), returns_to,
                                            referents, summarised,
-                                           forget=functools.partial(self._stale, pieces=stale) if stale else None)
+                                           forget=functools.partial(self._stale, pieces=stale) if stale else None,
+                                           recap=asks_recap(turn.text))
 
     @one_thread
     def prefill(self, turn: Turn) -> None:

@@ -13,7 +13,10 @@ prefilled, archived history the turn needs is found and its KV spliced back into
   of the budget (the tokens re-injected count), first those that name an entity the user's turn names
   (a name, a number, an address: whole words), then those of the topic the classifier says the user
   returns to and those similar to the user's turn (FAISS, cosine at least `threshold`); within each
-  group, the more similar to the user's turn first.
+  group, the more similar to the user's turn first. A turn that asks for a recap ("one line on what we
+  sorted today") needs the whole dialogue's outcomes, and the names in it are whom the recap is for: it
+  first brings back the archived replies that recorded an outcome ("I've booked ..."), newest first, the
+  replies only, so that more of them fit (classifiers/acts.py).
 - Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from cache.meta import TokenMeta
 from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
+from classifiers.acts import records_outcome
 from classifiers.topics import analyse
 from memory.archive import Archive, ArchiveConfig
 from memory.embedder import Embedder
@@ -36,7 +40,7 @@ from memory.graph import CALENDAR
 from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
-REASONS = ("referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
+REASONS = ("recap", "referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
 _SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, then a capitalised first word
 
 
@@ -51,6 +55,7 @@ class MemoryConfig:
     entities: bool = True  # recall turns that name an entity the user's turn names
     topics: bool = True  # recall the turns of a topic the classifier says the user returns to
     referents: bool = True  # recall the turns the entity graph resolves the turn's references to (graph on)
+    recaps: bool = True  # a recap request recalls the replies that recorded outcomes first
     user_id: str = "local"
     session_id: str = "default"
     directory: str | None = None  # None: an in-memory archive (gone with the agent)
@@ -191,7 +196,7 @@ class LongTermMemory:
 
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
                referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None,
-               forget: Callable[[TokenMeta], torch.Tensor] | None = None) -> list[Recalled]:
+               forget: Callable[[TokenMeta], torch.Tensor] | None = None, recap: bool = False) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget (the missing tokens count);
         a turn comes back whole, so what the cache still holds of it is marked used now too
@@ -199,7 +204,7 @@ class LongTermMemory:
         segment it returns to, if any; `referents`: turns where what its references resolve to was last
         named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity;
         `forget`: which tokens of an archived segment must not come back (a bool per token: the pieces of
-        superseded values)."""
+        superseded values); `recap`: the turn asks for a recap."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -209,12 +214,18 @@ class LongTermMemory:
             chosen: list[tuple[int, torch.Tensor]] = []  # archived segments, each with the mask of its missing tokens
             live = torch.zeros(self.store.next_serial, dtype=torch.bool)
             live[self.store.meta.serial] = True
-            for old_turn, reason, detail in self._candidates(query, entities, topic, referents or {}, summarised or {}):
-                missing = self._missing(old_turn, live)
+            candidates = self._candidates(query, entities, topic, referents or {}, summarised or {})
+            if recap and self.config.recaps:
+                candidates = self._outcomes() + candidates
+            taken: set[int] = set()  # segments chosen: a recap's reply may come up again with its turn
+            for old_turn, reason, detail in candidates:
+                missing = [(segment_id, mask) for segment_id, mask in self._missing(
+                    old_turn, live, "assistant" if reason == "recap" else None) if segment_id not in taken]
                 count = sum(int(mask.sum()) for _, mask in missing)
                 if not count or count > room:
                     continue
                 chosen += missing
+                taken.update(segment_id for segment_id, _ in missing)
                 room -= count
                 self.last.append(Recalled(old_turn, reason, detail, count))
             span = self._span(chosen, forget) if chosen else None
@@ -265,13 +276,20 @@ class LongTermMemory:
         return ranked(named) + ranked(resolved) + ranked(
             {t: why for t, why in related.items() if t not in named and t not in resolved})
 
-    def _missing(self, turn: int, live: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """The archived segments of `turn` holding tokens the cache does not (`live`: by serial, whether
-        the cache holds it), each with the mask of those tokens (a token is in one segment only:
-        recalled tokens are not archived again)."""
+    def _outcomes(self) -> list[tuple[int, str, str]]:
+        """The turns whose reply recorded an outcome, newest first, as recap candidates."""
+        return [(turn, "recap", "outcome") for (turn, role), text in sorted(self.messages.items(), reverse=True)
+                if role == "assistant" and records_outcome(text)]
+
+    def _missing(self, turn: int, live: torch.Tensor, role: str | None = None) -> list[tuple[int, torch.Tensor]]:
+        """The archived segments of `turn` (of one `role`'s message, or both) holding tokens the cache does
+        not (`live`: by serial, whether the cache holds it), each with the mask of those tokens (a token is
+        in one segment only: recalled tokens are not archived again)."""
         scope = self.config.user_id, self.config.session_id
         missing = []
         for record in self.archive.segments_for(*scope, turns=range(turn, turn + 1)):
+            if role is not None and record.role != role:
+                continue
             mask = ~live[self.kept[record.id][1]]
             if bool(mask.any()):
                 missing.append((record.id, mask))

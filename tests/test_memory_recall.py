@@ -9,7 +9,8 @@ import torch
 
 from agent import Agent, AgentConfig
 from agent.engine import prefill
-from cache.meta import NOT_RECALLED
+from cache.meta import NOT_RECALLED, ROLES
+from classifiers.acts import asks_recap, records_outcome
 from memory.embedder import shared_embedder
 from memory.recall import LongTermMemory, MemoryConfig, names_in
 from tests.helpers import ask, store_for, teacher_force
@@ -27,10 +28,11 @@ def tiny_conversation(tiny, budget: int, config: MemoryConfig = MemoryConfig(), 
     return store, memory
 
 
-def say(tiny, store, memory, turn: int, text: str, size: int = 12) -> None:
-    memory.messages[(turn, "user")] = text
-    ids = torch.randint(5, 500, (size,), generator=torch.Generator().manual_seed(turn)).tolist()
-    prefill(tiny, store, ids, turn, "user", turn)
+def say(tiny, store, memory, turn: int, text: str, size: int = 12, role: str = "user") -> None:
+    memory.messages[(turn, role)] = text
+    seed = turn if role == "user" else 1000 + turn
+    ids = torch.randint(5, 500, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prefill(tiny, store, ids, turn, role, turn)
     memory.settle()
 
 
@@ -106,6 +108,38 @@ def test_an_entity_is_matched_as_a_whole_word_without_possessives_weekdays_or_la
     recalled = memory.recall(5, shared_embedder().embed(question)[0], names_in(question), None)
     assert [(r.turn, r.reason, r.detail) for r in recalled] == [(1, "entity", "mot")]  # not "mot" in "mother"
     memory.close()
+
+
+SETTLED = [("My dog Biscuit needs a vet appointment on Friday.", "I've booked Biscuit in with the vet for Friday at 10am."),
+           ("Is Dr Patel in on Mondays?", "Dr Patel works Mondays and Thursdays."),
+           ("Two winter tyres for the Fiesta, please.", "Booked: two winter tyres, fitted on Saturday morning."),
+           ("Can I pay by bank transfer?", "Yes, bank transfer is fine."),
+           ("How long does delivery to Oslo take?", "Delivery to Oslo takes three days."),
+           ("Is there parking near the shop?", "There's a car park behind the shop.")]
+
+
+def test_a_recap_request_brings_back_the_replies_that_recorded_outcomes_first(tiny):
+    """"One line on what we sorted, for Dr Patel": the replies that booked something come back first, newest
+    first, without their user turns (Patel is whom the recap is for); without recaps the name's turn does."""
+    request = "Could you give me one line on what we sorted today? It's for Dr Patel."
+    assert asks_recap(request) and not asks_recap("What did I set the password to?")
+    assert [records_outcome(reply) for _, reply in SETTLED] == [True, False, True, False, False, False]
+
+    def recalled(config: MemoryConfig) -> tuple[list[tuple[int, str]], torch.Tensor]:
+        store, memory = tiny_conversation(tiny, budget=48, config=config)
+        for turn, (text, reply) in enumerate(SETTLED):
+            say(tiny, store, memory, turn, text)
+            say(tiny, store, memory, turn, reply, role="assistant")
+        found = memory.recall(6, shared_embedder().embed(request)[0], names_in(request), None, recap=asks_recap(request))
+        assert store.length <= 48
+        roles = store.meta.role[store.meta.recalled_at == 6]
+        memory.close()
+        return [(r.turn, r.reason) for r in found], roles
+
+    order, roles = recalled(MemoryConfig(threshold=2.0))
+    assert order == [(2, "recap"), (0, "recap")] and roles.numel() == 24
+    assert bool((roles == ROLES["assistant"]).all())
+    assert recalled(MemoryConfig(threshold=2.0, recaps=False))[0] == [(1, "entity")]
 
 
 def test_recall_never_crosses_users(tiny):

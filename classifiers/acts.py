@@ -1,0 +1,43 @@
+"""Two dialogue acts the memory acts on, told by cue phrases (no parser model is available offline):
+
+- a user's request to recap the conversation ("one line on what we sorted today", "sum it all up"): what it
+  needs is spread over the whole dialogue, and the names in it are whom the recap is for ("so I can tell
+  Tom"), not what it is about;
+- a reply that records an outcome ("I've booked ...", "Moved: ...", "Your refund is confirmed"): the turns
+  a recap is made of."""
+
+from __future__ import annotations
+
+import re
+
+_DONE = (r"done|sorted|booked|arranged|agreed|covered|set up|changed|fixed|organised|organized|ordered|signed up|"
+         r"decided|do|book|sort|arrange|agree|change|fix|order|sign up|decide")
+RECAP = re.compile(
+    r"\b(?:summar(?:y|ise|ize)|sum (?:(?:it|this|that|everything|things) )?(?:all )?up|recap|rundown|run[- ]through of"
+    r"|quick run[- ]through|round[- ]?up\b|one[- ]liner|one[- ]line(?:[,.:!?]| (?:on|of|for|about|summary|version|please|pls))"
+    r"|in (?:one|a single|a) (?:line|sentence)|one sentence|short version|the gist"
+    r"|list (?:the main things|(?:of )?what|everything|it all)"
+    rf"|what (?:have|did|has|'ve) (?:we|you|i)(?: actually| just)? (?:{_DONE})\b"
+    r"|what(?:'s| is| has been| have we| we've)(?: got)? (?:booked|sorted|arranged|agreed|on for me|been done|been agreed)"
+    r"|everything (?:we|you)(?:'ve| have|'re| are)? (?:done|doing|sorted|booked|covered|arranged|agreed))", re.I)
+
+_ACTED = (r"booked|arranged|moved|cancell?ed|opened|refunded|added|ordered|set up|sent|logged|raised|reserved|confirmed|"
+          r"changed|updated|scheduled|applied|blocked|issued|waived|noted|put|switched|swapped|replaced|upgraded|"
+          r"registered|requested|submitted|released|fixed|restored|reissued|credited|cleared|passed|made|taken|lowered|"
+          r"disputed|enrolled|paid|pencilled")
+OUTCOME = re.compile(
+    rf"\b(?:I've|I have|we've|we have|I'll|I will)\s+(?:now\s+|also\s+|just\s+)?(?:{_ACTED})\b"
+    r"|^\s*(?:Booked|Done|Confirmed|Moved|Added|Updated|Arranged|Sorted|Reserved|Cancell?ed|Refunded|Ordered|Changed"
+    r"|Noted|All set)\b[^.]*?:"
+    r"|\b(?:is|are|has been|have been|is now|are now)\s+(?:booked|confirmed|arranged|reserved|cancell?ed|refunded|moved"
+    r"|ordered|added|scheduled|set up|sorted)\b", re.I | re.M)
+
+
+def asks_recap(text: str) -> bool:
+    """Whether a user's turn asks for a recap of the conversation."""
+    return bool(RECAP.search(text))
+
+
+def records_outcome(reply: str) -> bool:
+    """Whether a reply records something done or settled."""
+    return bool(OUTCOME.search(reply))
