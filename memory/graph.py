@@ -41,8 +41,6 @@ ROLE_WEIGHT = {"user": 1.0, "assistant": 1.0}
 DENIED = 0.2  # what a mention weighs when the text says it is not the one ("..., not 37 Larch Close")
 REFERRED = 0.5  # what a mention by reference weighs ("it", "the boiler")
 LATE = 0.5  # how much more a mention at the end of a text weighs than one at its start: the latest is likeliest
-RECENT = 100  # turns: a pronoun's candidates were mentioned within them (after 100 turns a mention keeps 3e-4 of its
-# salience, DECAY and SLOW): a long chat's thousands of entities are not ranked for every "it"
 
 
 @dataclass
@@ -541,13 +539,12 @@ class EntityGraph:
         """The references of a turn, each with the most salient compatible entity of earlier turns."""
         out = []
         earlier = [(e, e.words()) for e in self.entities.values() if e.mentions[0][0] < turn]
-        recent = [e for e, _ in earlier if e.mentions[-1][0] >= turn - RECENT]  # what salience alone ranks
         names = [(start, text[start:end]) for start, end, kind in self._names(text, "user")
                  if kind in ("name", "person")]
         things = [(e, words) for e, words in earlier if e.kind == "thing"]
         for match in _REFERENCE.finditer(text):
             owned = _owned(match, text)
-            found = owned and self._best(turn, owned[1], things, recent)
+            found = owned and self._best(turn, owned[1], things)
             if found and found[1] == len(owned[1][1]):  # "Poppy's present": the present named before
                 out.append((Resolution(text[match.start():owned[0]], match.start(), "definite", found[0].name,
                                        self._antecedent(found[0], turn)), found[0]))
@@ -559,17 +556,17 @@ class EntityGraph:
             here = self._named_here(text, names, match.start(), want)
             if here is False:
                 continue  # "And Poppy, does she ...": she is the Poppy just named, none of the earlier turns' people
-            found = (here or self._named_after(text, end, want) or _chained(out, want)
-                     or self._best(turn, want, earlier, recent) or self._said_before(turn, want))
+            found = (here or self._named_after(text, end, want) or _chained(out, want) or self._best(turn, want, earlier)
+                     or self._said_before(turn, want))
             if found:
                 entity, used = found
                 if used < len(want[1]):  # "the engineer call first": the phrase that matched is "the engineer"
                     end = _words_end(text, match.end() - len(match.group(0).split()[-1]), used)
                 out.append((Resolution(text[match.start():end], match.start(), kind, entity.name,
                                        self._antecedent(entity, turn)), entity))
-        return out + self._bare(turn, text, earlier, recent, [(r.start, r.start + len(r.span)) for r, _ in out])
+        return out + self._bare(turn, text, earlier, [(r.start, r.start + len(r.span)) for r, _ in out])
 
-    def _bare(self, turn: int, text: str, earlier: list[tuple[Entity, set[str]]], recent: list[Entity],
+    def _bare(self, turn: int, text: str, earlier: list[tuple[Entity, set[str]]],
               taken: list[tuple[int, int]]) -> list[tuple[Resolution, Entity]]:
         """Noun phrases that open a sentence without a determiner, as terse messages write them ("Banners: 2 of
         them", "Certificate came today", "Netting quote?"): a reference when an earlier entity goes by the
@@ -580,7 +577,7 @@ class EntityGraph:
             words, end = _phrase_at(text, start, 2)
             if not words or words[0] in _COMMON_STARTS or _inside(start, end, taken):  # resolved already
                 continue
-            found = self._best(turn, ("phrase", tuple(words)), earlier, recent)
+            found = self._best(turn, ("phrase", tuple(words)), earlier)
             if found and found[1] == len(words):
                 out.append((Resolution(text[start:end], start, "definite", found[0].name,
                                        self._antecedent(found[0], turn)), found[0]))
@@ -638,19 +635,18 @@ class EntityGraph:
                 return earlier
         return max(t for t, _ in entity.mentions if t < turn)
 
-    def _best(self, turn: int, want: Want, earlier: list[tuple[Entity, set[str]]],
-              recent: list[Entity]) -> tuple[Entity, int] | None:
+    def _best(self, turn: int, want: Want, earlier: list[tuple[Entity, set[str]]]) -> tuple[Entity, int] | None:
         """The best of the earlier entities (with the words they go by) for what a reference wants: how well
         it matches first, then salience; with how many of a phrase's words it matched ("the claim" of
-        "the claim cover"). A pronoun or "that one" matches any compatible entity, so those are ranked among
-        the `recent` ones only (named within RECENT turns)."""
+        "the claim cover")."""
         how, value = want
         used = len(value)
+        candidates = [e for e, _ in earlier]
         if how == "pronoun":  # a noun said in apposition to a name stands for it before "she" asks
-            named = [e for _, e in self._named_for([(1, e) for e in recent])]
+            named = [e for _, e in self._named_for([(1, e) for e in candidates])]
             scored = [(1, e) for e in _named_instead(named) if _compatible(e, value[0])]
         elif how == "relation":
-            scored = _related([e for e, _ in earlier], value[0])
+            scored = _related(candidates, value[0])
         else:  # a phrase ("the eye test"), "the other address", "the broken one"; "the claim cover" may end in a verb
             if how == "given":  # "the code I gave you": one the user named
                 earlier = [(e, words) for e, words in earlier if f"entity:{e.key}" in self.user_named]
@@ -660,7 +656,7 @@ class EntityGraph:
             used, scored = next(((n, found) for n in range(len(stems), 0, -1) if (found := [
                 (m, e) for e, words in earlier if (m := _matches(e, words, stems[:n], how != "one"))])), (used, []))
             if not scored and (how == "one" or not value):  # "that one", "the other one": a thing
-                scored = [(1, e) for e in recent if _compatible(e, "it")]
+                scored = [(1, e) for e in candidates if _compatible(e, "it")]
         scored = self._named_for(scored)  # a phrase or relation matched the noun's own words first
         if not scored:
             return None

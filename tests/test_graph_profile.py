@@ -14,7 +14,7 @@ from agent import Agent, AgentConfig
 from agent.agent import NOTES_TURN
 from agent.model import load_model
 from classifiers.persistence import PersistenceMarker, PreferenceModel
-from memory.graph import RECENT, EntityGraph
+from memory.graph import EntityGraph
 from memory.profile import ProfileConfig, render
 from memory.recall import MemoryConfig
 from memory.summaries import RunningSummary
@@ -272,20 +272,6 @@ def test_it_and_there_resolve_to_the_parcel_and_the_address():
     resolved = {r.span: (r.entity, r.antecedent, r.type) for r in graph.observe(2, "Can you send it there?")[1]}
     assert resolved["it"][0] == "parcel" and resolved["it"][1] == 0
     assert resolved["there"] == ("9 Mill Street, Leeds LS2 7EW", 1, "pronoun")
-
-
-def test_a_pronoun_ranks_the_entities_named_within_recent_turns_and_a_phrase_reaches_further():
-    """A long chat's thousands of entities are not ranked for every "it": after RECENT turns of small talk the
-    parcel is no pronoun's candidate any more, while "the parcel" still finds it by its word."""
-    def asked_after(quiet_turns: int, text: str) -> list[tuple[str, str]]:
-        graph = rules_graph((0, "My parcel never arrived.", "I'm sorry. Which address is it for?"))
-        for turn in range(1, quiet_turns + 1):
-            graph.observe(turn, "Ok, thanks.")
-        return [(r.span, r.entity) for r in graph.observe(quiet_turns + 1, text)[1]]
-
-    assert asked_after(RECENT - 1, "Has it turned up?") == [("it", "parcel")]
-    assert asked_after(RECENT, "Has it turned up?") == []
-    assert asked_after(RECENT, "Has the parcel turned up?") == [("the parcel", "parcel")]
 
 
 def test_a_relation_resolves_to_the_person_introduced_with_it():
