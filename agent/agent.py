@@ -307,7 +307,8 @@ class Agent:
     @one_thread
     def recall(self, turn: Turn) -> None:
         """With memory on: re-inject the archived turns this one names an entity of, returns to the topic
-        of, or resembles (memory/recall.py), within the memory's share of the budget."""
+        of, or resembles, and for a recap request the replies that recorded outcomes (memory/recall.py),
+        within the memory's share of the budget."""
         if self.memory is None:
             return
         returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn

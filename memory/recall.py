@@ -199,7 +199,7 @@ class LongTermMemory:
                forget: Callable[[TokenMeta], torch.Tensor] | None = None, recap: bool = False) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget (the missing tokens count);
-        a turn comes back whole, so what the cache still holds of it is marked used now too
+        a turn comes back whole (a recap's reply alone), so what the cache still holds of it is marked used now too
         (`KVStore.touch`). `query`: the turn's embedding; `entities`: what it names; `topic`: the topic
         segment it returns to, if any; `referents`: turns where what its references resolve to was last
         named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity;
