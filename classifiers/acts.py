@@ -1,10 +1,12 @@
-"""Two dialogue acts the memory acts on, told by cue phrases (no parser model is available offline):
+"""Dialogue acts the memory acts on, told by cue phrases (no parser model is available offline):
 
 - a user's request to recap the conversation ("one line on what we sorted today", "sum it all up"): what it
   needs is spread over the whole dialogue, and the names in it are whom the recap is for ("so I can tell
   Tom"), not what it is about;
 - a reply that records an outcome ("I've booked ...", "Moved: ...", "Your refund is confirmed"): the turns
-  a recap is made of."""
+  a recap is made of;
+- a user's question for one of their identifiers by its noun ("what's my membership number?"): it names no
+  value to find, only the kind of value, and the number may have been given by the assistant."""
 
 from __future__ import annotations
 
@@ -31,6 +33,21 @@ OUTCOME = re.compile(
     r"|Noted|All set)\b[^.]*?:"
     r"|\b(?:is|are|has been|have been|is now|are now)\s+(?:booked|confirmed|arranged|reserved|cancell?ed|refunded|moved"
     r"|ordered|added|scheduled|set up|sorted)\b", re.I | re.M)
+
+
+_ASKED = re.compile(  # "what's my membership number", "which account number have you got", "the booking ref again?"
+    r"\b(?:my|our|the|your|his|her)\s+((?:[a-z-]+\s+){1,2}?)(?:number|no\.?|reference|ref|code|id)\b", re.I)
+_QUESTION = re.compile(r"\?|\b(?:what|which|remind|again|tell me|read (?:it|me)|need)\b", re.I)
+_NOT_KINDS = frozenset("the a an new old same other right wrong full last first this that phone mobile contact".split())
+CODE = re.compile(r"(?<![\w£$.,])(?=[\w/-]*\d)[A-Za-z0-9][\w/-]{3,}(?![\w])")  # HPI-338207, 23081547, FYC-20417
+
+
+def asked_kinds(text: str) -> list[str]:
+    """The nouns of the identifiers a user's turn asks for ("membership" of "what's my membership number?")."""
+    if not _QUESTION.search(text):
+        return []
+    words = [w.lower() for m in _ASKED.finditer(text) for w in m.group(1).split()]
+    return [w for w in dict.fromkeys(words) if w not in _NOT_KINDS and len(w) > 2]
 
 
 def asks_recap(text: str) -> bool:

@@ -16,7 +16,9 @@ prefilled, archived history the turn needs is found and its KV spliced back into
   group, the more similar to the user's turn first. A turn that asks for a recap ("one line on what we
   sorted today") needs the whole dialogue's outcomes, and the names in it are whom the recap is for: it
   first brings back the archived replies that recorded an outcome ("I've booked ..."), newest first, the
-  replies only, so that more of them fit (classifiers/acts.py).
+  replies only, so that more of them fit; a turn that asks for an identifier by its noun ("what's my policy
+  number?") first brings back the turns where a sentence names that noun and holds a code-like value
+  ("I've found policy HPI-338207"), newest first (classifiers/acts.py).
 - Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from cache.meta import TokenMeta
 from cache.span import KVSpan
 from cache.store import KVStore, PLACEMENTS
-from classifiers.acts import records_outcome
+from classifiers.acts import CODE, records_outcome
 from classifiers.topics import analyse
 from memory.archive import Archive, ArchiveConfig
 from memory.embedder import Embedder
@@ -40,7 +42,7 @@ from memory.graph import CALENDAR
 from memory.segment import ROLE_NAMES, Segment
 
 UNITS = ("message", "span")
-REASONS = ("recap", "referent", "entity", "topic", "similar", "summary")  # why a turn is recalled (Recalled.reason)
+REASONS = ("recap", "asked", "referent", "entity", "topic", "similar", "summary")  # Recalled.reason: why it came back
 _SPEAKER = re.compile(r"^\s*\w+:\s*(\w+)")  # "Helen: Remind me ...": a label, then a capitalised first word
 
 
@@ -56,6 +58,7 @@ class MemoryConfig:
     topics: bool = True  # recall the turns of a topic the classifier says the user returns to
     referents: bool = True  # recall the turns the entity graph resolves the turn's references to (graph on)
     recaps: bool = True  # a recap request recalls the replies that recorded outcomes first
+    identifiers: bool = True  # "what's my policy number?" first recalls the turns that gave one of that kind
     user_id: str = "local"
     session_id: str = "default"
     directory: str | None = None  # None: an in-memory archive (gone with the agent)
@@ -83,6 +86,10 @@ def names_in(text: str) -> list[str]:
     dropped = {label.group(1).lower()} if label else set()
     names = {e.removesuffix("'s") for e in analyse(text).entities}
     return sorted(e for e in names if e not in CALENDAR and e not in dropped)
+
+
+def _whole_word(word: str) -> re.Pattern:
+    return re.compile(rf"(?<!\w){re.escape(word)}(?!\w)", re.I)
 
 
 @dataclass
@@ -196,7 +203,8 @@ class LongTermMemory:
 
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
                referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None,
-               forget: Callable[[TokenMeta], torch.Tensor] | None = None, recap: bool = False) -> list[Recalled]:
+               forget: Callable[[TokenMeta], torch.Tensor] | None = None, recap: bool = False,
+               asked: list[str] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget (the missing tokens count);
         a turn comes back whole (a recap's reply alone), so what the cache still holds of it is marked used now too
@@ -204,7 +212,8 @@ class LongTermMemory:
         segment it returns to, if any; `referents`: turns where what its references resolve to was last
         named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity;
         `forget`: which tokens of an archived segment must not come back (a bool per token: the pieces of
-        superseded values); `recap`: the turn asks for a recap."""
+        superseded values); `recap`: the turn asks for a recap; `asked`: the nouns of the identifiers it asks
+        for ("policy")."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -215,6 +224,8 @@ class LongTermMemory:
             live = torch.zeros(self.store.next_serial, dtype=torch.bool)
             live[self.store.meta.serial] = True
             candidates = self._candidates(query, entities, topic, referents or {}, summarised or {})
+            if asked and self.config.identifiers:
+                candidates = self._holding(asked) + candidates
             if recap and self.config.recaps:
                 candidates = self._outcomes() + candidates
             taken: set[int] = set()  # segments chosen: a recap's reply may come up again with its turn
@@ -259,7 +270,7 @@ class LongTermMemory:
         named: dict[int, tuple[str, str]] = {}
         if self.config.entities:
             for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
-                whole = re.compile(rf"(?<!\w){re.escape(entity)}(?!\w)", re.I)
+                whole = _whole_word(entity)
                 for record in self.archive.segments_for(*scope, contains=entity):
                     if whole.search(record.text):  # "mot" is no part of "mother"
                         named.setdefault(record.turn, ("entity", entity))
@@ -280,6 +291,18 @@ class LongTermMemory:
         """The turns whose reply recorded an outcome, newest first, as recap candidates."""
         return [(turn, "recap", "outcome") for (turn, role), text in sorted(self.messages.items(), reverse=True)
                 if role == "assistant" and records_outcome(text)]
+
+    def _holding(self, kinds: list[str]) -> list[tuple[int, str, str]]:
+        """The archived turns with a sentence that names one of `kinds` and holds a code-like value
+        ("Your membership number is HGC-40716"), newest first: where an asked-for identifier was given."""
+        scope = self.config.user_id, self.config.session_id
+        found: dict[int, str] = {}
+        for kind in kinds:
+            whole = _whole_word(kind)
+            for record in self.archive.segments_for(*scope, contains=kind):
+                if any(whole.search(s) and CODE.search(s) for s in re.split(r"(?<=[.!?])\s+", record.text)):
+                    found.setdefault(record.turn, kind)
+        return [(turn, "asked", found[turn]) for turn in sorted(found, reverse=True)]
 
     def _missing(self, turn: int, live: torch.Tensor, role: str | None = None) -> list[tuple[int, torch.Tensor]]:
         """The archived segments of `turn` (of one `role`'s message, or both) holding tokens the cache does

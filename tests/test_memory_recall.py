@@ -10,7 +10,7 @@ import torch
 from agent import Agent, AgentConfig
 from agent.engine import prefill
 from cache.meta import NOT_RECALLED, ROLES
-from classifiers.acts import asks_recap, records_outcome
+from classifiers.acts import asked_kinds, asks_recap, records_outcome
 from memory.embedder import shared_embedder
 from memory.recall import LongTermMemory, MemoryConfig, names_in
 from tests.helpers import ask, store_for, teacher_force
@@ -140,6 +140,28 @@ def test_a_recap_request_brings_back_the_replies_that_recorded_outcomes_first(ti
     assert order == [(2, "recap"), (0, "recap")] and roles.numel() == 24
     assert bool((roles == ROLES["assistant"]).all())
     assert recalled(MemoryConfig(threshold=2.0, recaps=False))[0] == [(1, "entity")]
+
+
+def test_a_turn_asking_for_an_identifier_brings_back_where_it_was_given_first(tiny):
+    """"The vet wants our policy number. What is it?" names no value: the turn whose sentence names a policy
+    and holds a code comes back first, even though the reply, not the user, gave the number."""
+    question = "The vet wants our policy number, and I can't find the email. What is it?"
+    assert asked_kinds(question) == ["policy"] and asked_kinds("My policy number is HPI-338207.") == []
+    said = [("I've two cats insured with you.", "I've found policy HPI-338207 with Biscuit and Mabel on it."),
+            *[(text, "Yes, that's fine.") for text in TEXTS[1:]]]
+    def first_recalled(config: MemoryConfig) -> list[tuple[int, str, str]]:
+        store, memory = tiny_conversation(tiny, budget=48, config=config)
+        for turn, (text, reply) in enumerate(said):
+            say(tiny, store, memory, turn, text)
+            say(tiny, store, memory, turn, reply, role="assistant")
+        found = memory.recall(6, shared_embedder().embed(question)[0], names_in(question), None,
+                              asked=asked_kinds(question))
+        assert store.length <= 48
+        memory.close()
+        return [(r.turn, r.reason, r.detail) for r in found][:1]
+
+    assert first_recalled(MemoryConfig(threshold=2.0)) == [(0, "asked", "policy")]
+    assert first_recalled(MemoryConfig(threshold=2.0, identifiers=False)) != [(0, "asked", "policy")]
 
 
 def test_recall_never_crosses_users(tiny):
