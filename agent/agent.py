@@ -31,7 +31,7 @@ from cache.meta import TokenMeta
 from cache.policies import HybridConfig, PolicyConfig, make_policy
 from cache.storage import StorageConfig
 from cache.store import KVStore
-from classifiers.acts import asked_kinds, asks_recap
+from classifiers.acts import asked_kinds, asks_recap, requesters
 from memory.graph import EntityGraph, Resolution
 from memory.profile import ProfileConfig, render
 from memory.recall import LongTermMemory, MemoryConfig, Recalled, names_in
@@ -309,7 +309,7 @@ class Agent:
         """With memory on: re-inject the archived turns this one names an entity of, returns to the topic
         of, or resembles, for a recap request the replies that recorded outcomes, and for a question for an
         identifier the turns that gave one of that kind (memory/recall.py), within the memory's share of the
-        budget."""
+        budget; the turns naming only who asks ("- Priya", "Tom's asking") come last."""
         if self.memory is None:
             return
         returns_to = turn.segment if turn.topic and turn.topic.startswith("return") else None  # the topic's first turn
@@ -322,7 +322,8 @@ class Agent:
         turn.recalled = self.memory.recall(turn.index, turn.embedding, names_in(turn.text), returns_to,
                                            referents, summarised,
                                            forget=functools.partial(self._stale, pieces=stale) if stale else None,
-                                           recap=asks_recap(turn.text), asked=asked_kinds(turn.text))
+                                           recap=asks_recap(turn.text), asked=asked_kinds(turn.text),
+                                           requesters=requesters(turn.text))
 
     @one_thread
     def prefill(self, turn: Turn) -> None:

@@ -6,7 +6,10 @@
 - a reply that records an outcome ("I've booked ...", "Moved: ...", "Your refund is confirmed"): the turns
   a recap is made of;
 - a user's question for one of their identifiers by its noun ("what's my membership number?"): it names no
-  value to find, only the kind of value, and the number may have been given by the assistant."""
+  value to find, only the kind of value, and the number may have been given by the assistant;
+- whom a request is for or from ("Geoffrey wants to know which day ...", "... - Priya", "Helen: ..."): a name
+  there says who asks, not what about, and recalling every turn that names the asker (in a household's chat,
+  each signed message does) fills the room the answer needed."""
 
 from __future__ import annotations
 
@@ -42,12 +45,25 @@ _NOT_KINDS = frozenset("the a an new old same other right wrong full last first 
 CODE = re.compile(r"(?<![\w£$.,])(?=[\w/-]*\d)[A-Za-z0-9][\w/-]{3,}(?![\w])")  # HPI-338207, 23081547, FYC-20417
 
 
+_FOR_WHOM = re.compile(
+    r"(?:^|\s)[-\u2013\u2014]\s*([A-Z][a-z]+)[^\w]*$"  # a sign-off: "... what was it? - Bev"
+    r"|^\s*[-\u2013\u2014]?\s*([A-Z][a-z]+)(?::|\s+asking\b)"  # a label: "Helen: ...", "- Priya asking if ..."
+    r"|\b([A-Z][a-z]+)(?:'s)?\s+(?:(?:is|was|has|keeps|will|would|just|also)\s+){0,2}"  # "Tom's asking", "Mr Reid has asked"
+    r"(?:wants?|wanted|needs?|needed|ask(?:s|ed|ing)|tells? me|told me|says|said|would like)\b", re.M)
+
+
 def asked_kinds(text: str) -> list[str]:
     """The nouns of the identifiers a user's turn asks for ("membership" of "what's my membership number?")."""
     if not _QUESTION.search(text):
         return []
     words = [w.lower() for m in _ASKED.finditer(text) for w in m.group(1).split()]
     return [w for w in dict.fromkeys(words) if w not in _NOT_KINDS and len(w) > 2]
+
+
+def requesters(text: str) -> set[str]:
+    """The names, lower-cased, of whom a user's turn says is asking or will be told ("Geoffrey wants to
+    know ...", "... - Priya", "Helen: ...")."""
+    return {name.lower() for m in _FOR_WHOM.finditer(text) for name in m.groups() if name}
 
 
 def asks_recap(text: str) -> bool:

@@ -18,7 +18,8 @@ prefilled, archived history the turn needs is found and its KV spliced back into
   first brings back the archived replies that recorded an outcome ("I've booked ..."), newest first, the
   replies only, so that more of them fit; a turn that asks for an identifier by its noun ("what's my policy
   number?") first brings back the turns where a sentence names that noun and holds a code-like value
-  ("I've found policy HPI-338207"), newest first (classifiers/acts.py).
+  ("I've found policy HPI-338207"), newest first (classifiers/acts.py). A name that says who asks ("Geoffrey
+  wants to know ...", a signed "- Priya") is no clue to what is asked: its turns come last, after the similar ones.
 - Scope. Every search and lookup is scoped by user and session id (memory/index.py)."""
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class MemoryConfig:
     referents: bool = True  # recall the turns the entity graph resolves the turn's references to (graph on)
     recaps: bool = True  # a recap request recalls the replies that recorded outcomes first
     identifiers: bool = True  # "what's my policy number?" first recalls the turns that gave one of that kind
+    requesters: bool = True  # the turns naming who asks ("- Priya", "Tom's asking") come last, not first
     user_id: str = "local"
     session_id: str = "default"
     directory: str | None = None  # None: an in-memory archive (gone with the agent)
@@ -204,7 +206,7 @@ class LongTermMemory:
     def recall(self, turn: int, query: np.ndarray, entities: list[str], topic: int | None,
                referents: dict[int, str] | None = None, summarised: dict[int, str] | None = None,
                forget: Callable[[TokenMeta], torch.Tensor] | None = None, recap: bool = False,
-               asked: list[str] | None = None) -> list[Recalled]:
+               asked: list[str] | None = None, requesters: set[str] | None = None) -> list[Recalled]:
         """Bring back the archived turns the user's turn `turn` needs (see the module docstring) and
         splice their missing KV into the store, within `share` of the budget (the missing tokens count);
         a turn comes back whole (a recap's reply alone), so what the cache still holds of it is marked used now too
@@ -213,7 +215,7 @@ class LongTermMemory:
         named, with the entity; `summarised`: turns of a summary keyframe like it, with the similarity;
         `forget`: which tokens of an archived segment must not come back (a bool per token: the pieces of
         superseded values); `recap`: the turn asks for a recap; `asked`: the nouns of the identifiers it asks
-        for ("policy")."""
+        for ("policy"); `requesters`: the entities that are who asks, not what about ("priya")."""
         self.settle()
         started = time.perf_counter()
         self.last = []
@@ -223,7 +225,8 @@ class LongTermMemory:
             chosen: list[tuple[int, torch.Tensor]] = []  # archived segments, each with the mask of its missing tokens
             live = torch.zeros(self.store.next_serial, dtype=torch.bool)
             live[self.store.meta.serial] = True
-            candidates = self._candidates(query, entities, topic, referents or {}, summarised or {})
+            candidates = self._candidates(query, entities, topic, referents or {}, summarised or {},
+                                          requesters if self.config.requesters else set())
             if asked and self.config.identifiers:
                 candidates = self._holding(asked) + candidates
             if recap and self.config.recaps:
@@ -253,11 +256,11 @@ class LongTermMemory:
         return self.last
 
     def _candidates(self, query: np.ndarray, entities: list[str], topic: int | None, referents: dict[int, str],
-                    summarised: dict[int, str]) -> list[tuple[int, str, str]]:
+                    summarised: dict[int, str], requesters: set[str] | None = None) -> list[tuple[int, str, str]]:
         """Archived turns worth recalling, each once, as (turn, reason, detail): those naming one of the
         turn's entities first (a whole-word match), then the turns its references resolve to (rules, less
-        sure), then those of the topic it returns to, similar to it or in a keyframe like it; each group
-        by similarity to the turn."""
+        sure), then those of the topic it returns to, similar to it or in a keyframe like it, and last those
+        naming one of `requesters` (who asks); each group by similarity to the turn."""
         scope = self.config.user_id, self.config.session_id
         similarity: dict[int, float] = {}
         for segment_id, score in self.archive.search(query, *scope, k=self.config.k * 8):
@@ -268,12 +271,13 @@ class LongTermMemory:
             return [(t, *turns[t]) for t in sorted(turns, key=lambda t: (-similarity.get(t, -1.0), -t))]
 
         named: dict[int, tuple[str, str]] = {}
+        asker: dict[int, tuple[str, str]] = {}
         if self.config.entities:
             for entity in (e for e in entities if len(e) >= 3):  # "2" or "of" names nothing
-                whole = _whole_word(entity)
+                whole, group = _whole_word(entity), asker if entity in (requesters or ()) else named
                 for record in self.archive.segments_for(*scope, contains=entity):
                     if whole.search(record.text):  # "mot" is no part of "mother"
-                        named.setdefault(record.turn, ("entity", entity))
+                        group.setdefault(record.turn, ("entity", entity))
         related: dict[int, tuple[str, str]] = {}
         if self.config.topics and topic is not None:
             for record in self.archive.segments_for(*scope, topic=topic):
@@ -284,8 +288,9 @@ class LongTermMemory:
         for t, detail in summarised.items():
             related.setdefault(t, ("summary", detail))
         resolved = {t: ("referent", entity) for t, entity in referents.items() if t not in named}
-        return ranked(named) + ranked(resolved) + ranked(
-            {t: why for t, why in related.items() if t not in named and t not in resolved})
+        related = {t: why for t, why in related.items() if t not in named and t not in resolved}
+        return ranked(named) + ranked(resolved) + ranked(related) + ranked(
+            {t: why for t, why in asker.items() if t not in named and t not in resolved and t not in related})
 
     def _outcomes(self) -> list[tuple[int, str, str]]:
         """The turns whose reply recorded an outcome, newest first, as recap candidates."""

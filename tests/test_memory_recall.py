@@ -10,7 +10,7 @@ import torch
 from agent import Agent, AgentConfig
 from agent.engine import prefill
 from cache.meta import NOT_RECALLED, ROLES
-from classifiers.acts import asked_kinds, asks_recap, records_outcome
+from classifiers.acts import asked_kinds, asks_recap, records_outcome, requesters
 from memory.embedder import shared_embedder
 from memory.recall import LongTermMemory, MemoryConfig, names_in
 from tests.helpers import ask, store_for, teacher_force
@@ -162,6 +162,34 @@ def test_a_turn_asking_for_an_identifier_brings_back_where_it_was_given_first(ti
 
     assert first_recalled(MemoryConfig(threshold=2.0)) == [(0, "asked", "policy")]
     assert first_recalled(MemoryConfig(threshold=2.0, identifiers=False)) != [(0, "asked", "policy")]
+
+
+SIGNED = ["The strip-out starts on Monday the 3rd of March, the builders said.", "Can the skip go on the drive? - Priya",
+          "Is there parking on the street for the van? - Priya", "Do we need to empty the loft first? - Priya",
+          "What time does the pool open on Sunday?", "Are there lockers for bikes outside?"]
+
+
+def test_a_name_that_says_who_asks_brings_its_turns_back_last(tiny):
+    """"Which Monday does the strip-out start? - Priya": Priya signs every message, so her name says who asks,
+    not what about; the turn like the question comes back first, and her other turns only after it."""
+    question = "Which Monday does the strip-out start again? - Priya"
+    assert requesters(question) == {"priya"} and "priya" in names_in(question)
+    assert requesters("Geoffrey wants to know which day. Tom's asking too.") == {"geoffrey", "tom"}
+    assert requesters("Helen: is it Friday?") == {"helen"} and requesters("What did Sarah say about it?") == set()
+
+    def recalled(config: MemoryConfig) -> list[tuple[int, str]]:
+        store, memory = tiny_conversation(tiny, budget=60, config=config)
+        for turn, text in enumerate(SIGNED):
+            say(tiny, store, memory, turn, text)
+        found = memory.recall(len(SIGNED), shared_embedder().embed(question)[0], names_in(question), None,
+                              requesters=requesters(question))
+        assert store.length <= 60
+        memory.close()
+        return [(r.turn, r.reason) for r in found]
+
+    order = recalled(MemoryConfig(threshold=0.5))
+    assert order[0] == (0, "similar") and order[1:] and all(reason == "entity" for _, reason in order[1:])
+    assert recalled(MemoryConfig(threshold=0.5, requesters=False))[0][1] == "entity"
 
 
 def test_recall_never_crosses_users(tiny):
