@@ -4,6 +4,7 @@ model's geometry, tokens from a plain greedy loop); no timing asserts."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -105,7 +106,7 @@ def test_llama_cpp_anchor_times_the_same_gguf_or_says_how_to_install(embedded):
     anchor = llama_cpp_anchor(embedded_gguf(), ids, replace(CONFIG, new_tokens=4), rows)
     text = "\n".join(render_part_a({"rows": [], "agreement": [], "llama_cpp": anchor}))
     if importlib.util.find_spec("llama_cpp") is None:
-        assert anchor == {"missing": LLAMA_CPP_INSTALL} and f"not installed ({LLAMA_CPP_INSTALL})" in text
+        assert anchor == {"missing": f"not installed ({LLAMA_CPP_INSTALL})"} and f"not installed ({LLAMA_CPP_INSTALL})" in text
         return
     row = anchor["row"]
     assert row["run"] == "llama.cpp Q4_1" and row["new_tokens"] == 4 and row["decode_tok_s"] > 0
@@ -113,6 +114,19 @@ def test_llama_cpp_anchor_times_the_same_gguf_or_says_how_to_install(embedded):
     [ours] = anchor["ours"]
     assert ours["decode_vs_llama_cpp"] == pytest.approx(rows[0]["decode_tok_s"] / row["decode_tok_s"])
     assert "llama.cpp Q4_1" in text and "x llama.cpp" in text
+
+
+def test_a_llama_cpp_that_is_installed_but_does_not_import_is_named_as_such(tmp_path, monkeypatch):
+    """A `--no-deps` install of llama-cpp-python lacks `diskcache`: the bench says which module is missing,
+    not that llama.cpp is not installed."""
+    from agent.bench.bench import llama_cpp_missing
+
+    package = tmp_path / "llama_cpp"
+    package.mkdir()
+    (package / "__init__.py").write_text("import diskcache_that_is_not_there\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    assert llama_cpp_missing() == "llama-cpp-python does not import: No module named 'diskcache_that_is_not_there'"
 
 def test_best_of_takes_fastest_of_each_phase():
     runs = [{"prefill_s": 2.0, "prefill_tok_s": 5.0, "decode_s": 1.0, "decode_tok_s": 9.0},

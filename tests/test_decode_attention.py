@@ -50,6 +50,20 @@ def test_attend_takes_the_kernel_for_one_float32_token_and_sdpa_otherwise():
     assert native.attend_one(query, keys.transpose(2, 3), values.transpose(2, 3), 0.125, want_mass=False) is None
 
 
+def test_one_bfloat16_query_is_attended_in_float32_and_rounded_once():
+    """A bfloat16 decode step's attention on the CPU is float32 SDPA over the same bfloat16 numbers, rounded
+    to bfloat16 once at the end (torch's bfloat16 kernel is five times slower for one query); several
+    queries stay in bfloat16 SDPA."""
+    query, keys, values = (t.bfloat16() for t in layer_views(3, 300, 64, seed=3))
+    exact = F.scaled_dot_product_attention(query.float(), keys.float(), values.float(), enable_gqa=True)
+    out = attend(query, keys, values, None, None)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, exact.transpose(1, 2).bfloat16())
+    many = torch.cat([query, query * 0.5], dim=2)
+    rows = attend(many, keys, values, torch.ones(1, 1, 2, 300, dtype=torch.bool), None)
+    assert rows.dtype == torch.bfloat16
+    torch.testing.assert_close(rows[:, :1].float(), out.float(), rtol=0.02, atol=0.02)
+
+
 def test_heads_the_kernel_has_no_dense_code_for_stay_with_sdpa(monkeypatch):
     """attend() takes the kernel for one float32 query over 64-wide heads (its vector code) where it is
     fast, and SDPA for other head sizes; both give SDPA's answer."""

@@ -295,13 +295,22 @@ def part_a(model: torch.nn.Module, ids: list[int], config: BenchConfig, text_ids
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python (an optional extra, .[bench]: it builds llama.cpp, several minutes)"
 
 
-def time_llama_cpp(gguf: Path, ids: list[int], new_tokens: int, threads: int) -> dict | None:
-    """llama.cpp (llama-cpp-python) on the same GGUF file, fed the same prompt ids, greedy, at the same
-    thread count: the pace issue 15 measures our decode against. None when it is not installed."""
+def llama_cpp_missing() -> str | None:
+    """Why the llama.cpp anchor cannot run, or None: not installed, or installed without a dependency of its
+    own (a `--no-deps` install lacks `diskcache`), which is said as such rather than as 'not installed'."""
     try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
+        import llama_cpp  # noqa: F401
+    except ImportError as error:
+        if error.name == "llama_cpp":
+            return f"not installed ({LLAMA_CPP_INSTALL})"
+        return f"llama-cpp-python does not import: {error}"
+    return None
+
+
+def time_llama_cpp(gguf: Path, ids: list[int], new_tokens: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, fed the same prompt ids, greedy, at the same
+    thread count: the pace issue 15 measures our decode against."""
+    from llama_cpp import Llama
     llm = Llama(str(gguf), n_ctx=len(ids) + new_tokens + 8, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     times, tokens = [], []
@@ -319,8 +328,9 @@ def llama_cpp_anchor(gguf: Path, ids: list[int], config: BenchConfig, rows: list
     """The anchor row (best of `config.repeats`, after a warm-up) and our rows' speed against it, or why
     there is none."""
     threads = torch.get_num_threads()
-    if time_llama_cpp(gguf, ids[:16], 2, threads) is None:
-        return {"missing": LLAMA_CPP_INSTALL}
+    if (missing := llama_cpp_missing()) is not None:
+        return {"missing": missing}
+    time_llama_cpp(gguf, ids[:16], 2, threads)
     row = best_of([time_llama_cpp(gguf, ids, config.new_tokens, threads) for _ in range(config.repeats)])
     row["threads"] = threads
     return {"row": row, "ours": [{"run": r["run"], "decode_vs_llama_cpp": ratio(r["decode_tok_s"], row["decode_tok_s"]),
@@ -535,7 +545,7 @@ def render_part_a(result: dict) -> list[str]:
         lines.append(f"top-1 agreement with float32 over {a['positions']} positions: {100 * a['top1']:.1f}%  [{a['weights']}{speed}]")
     anchor = result.get("llama_cpp")
     if anchor and "missing" in anchor:
-        lines.append(f"llama.cpp anchor: not installed ({anchor['missing']})")
+        lines.append(f"llama.cpp anchor: {anchor['missing']}")
     elif anchor:
         r = anchor["row"]
         lines.append(f"{r['run']:20} {fmt(r['prefill_tok_s']):>13} {fmt(r['decode_tok_s'], '.2f'):>12}   "
