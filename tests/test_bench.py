@@ -128,6 +128,7 @@ def test_a_llama_cpp_that_is_installed_but_does_not_import_is_named_as_such(tmp_
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     assert llama_cpp_missing() == "llama-cpp-python does not import: No module named 'diskcache_that_is_not_there'"
 
+
 def test_best_of_takes_fastest_of_each_phase():
     runs = [{"prefill_s": 2.0, "prefill_tok_s": 5.0, "decode_s": 1.0, "decode_tok_s": 9.0},
             {"prefill_s": 1.0, "prefill_tok_s": 10.0, "decode_s": 3.0, "decode_tok_s": 3.0}]
