@@ -391,6 +391,8 @@ def bench(
                                                   "file (default: data/dialogues.jsonl)."),
     memory_dtype: str = typer.Option("float32", "--memory-dtype", help="Part C: the model's and the KV's dtype: "
                                      "float32, bfloat16, or auto (what `palace eval` picks on this machine)."),
+    memory_count: Optional[int] = typer.Option(None, "--memory-count", help="Part C: the file's first this "
+                                                   "many dialogues, the two runs alternated; percentiles over all their turns (default 1)."),
     model: str = ModelOpt,
 ) -> None:
     """Engine vs transformers generate() (float32, int8 and int4 weights), and KV strategies at 2K/8K of history."""
@@ -403,16 +405,18 @@ def bench(
         raise UserError(f"--parts takes letters of abc (a: engine, b: KV strategies, c: memory per turn), got {parts!r}")
     if memory_dtype not in ("auto", "float32", "bfloat16"):
         raise UserError(f"--memory-dtype takes float32, bfloat16 or auto, got {memory_dtype!r}")
+    if memory_count is not None and memory_count < 1:
+        raise UserError(f"--memory-count takes a number of dialogues, 1 or more, got {memory_count}")
     config = BenchConfig.preset(quick, threads=threads, parts=parts, rounds=rounds, memory_dialogue=memory_dialogue,
-                                memory_dtype=memory_dtype)
-    if memory_dialogue is not None:
-        from agent.bench.memory_part import scripted_turns
+                                memory_dtype=memory_dtype, memory_count=memory_count)
+    if "c" in parts:
+        from agent.bench.memory_part import DEFAULT_DIALOGUE, scripted_turns
         from agent.eval.dialogue import DialogueError
 
         try:
-            scripted_turns(Path(memory_dialogue), config.memory_turns)
+            scripted_turns(Path(memory_dialogue or DEFAULT_DIALOGUE), config.memory_turns, config.memory_count)
         except DialogueError as exc:
-            raise UserError(f"--memory-dialogue: {exc}") from None
+            raise UserError(f"part C: {exc}") from None
     make_parents(json_path)
     run_bench(config, model, json_path, typer.echo)
 

@@ -128,6 +128,10 @@ class Embedder:
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._hits, self._misses, len(self._cache))
 
+    def forget_texts(self) -> None:
+        """Empty the text cache (a benchmark's next dialogue must pay for its own embeddings)."""
+        self._cache.clear()
+
 
 class _LeanBert:
     """BertModel's forward for mean pooling, its arithmetic in its order: embeddings (word, token type,

@@ -329,8 +329,11 @@ class LongTermMemory:
         each in the order it was said), each token taken copied once into the span (a lone segment in order
         and whole is handed over uncopied: the splice reads a span and writes the store, never the span)."""
         read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
-        if forget is not None:
-            read = [(span, mask & ~forget(span.meta)) for span, mask in read]
+        if forget is not None:  # one call over every segment, a token -1 between them so no value spans two
+            gap = TokenMeta.new(1, 0, -1, "system", 0, ids=[-1])
+            joined = TokenMeta.cat(*(part for span, _ in read for part in (span.meta, gap)))
+            stale = forget(joined).split([part for span, _ in read for part in (len(span), 1)])[::2]
+            read = [(span, mask & ~gone) for (span, mask), gone in zip(read, stale)]
         read = [(span, mask) for span, mask in read if bool(mask.any())]
         return KVSpan.in_serial_order(*map(list, zip(*read))) if read else None
 

@@ -44,7 +44,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
                  ["topics", str(broken)], ["train", str(broken)], ["refs", str(broken)],
                  ["chat", "--session", str(broken)], ["bench", "--parts", "c", "--memory-dialogue", str(broken)],
                  ["bench", "--parts", "c", "--memory-dialogue", "/no/such.jsonl"],
-                 ["bench", "--parts", "c", "--memory-dtype", "int3"]):
+                 ["bench", "--parts", "c", "--memory-dtype", "int3"], ["bench", "--parts", "c", "--memory-count", "0"]):
         done = palace(*args, stdin="hi\n")
         assert done.returncode != 0, args
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)

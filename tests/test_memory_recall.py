@@ -28,12 +28,13 @@ def tiny_conversation(tiny, budget: int, config: MemoryConfig = MemoryConfig(), 
     return store, memory
 
 
-def say(tiny, store, memory, turn: int, text: str, size: int = 12, role: str = "user") -> None:
+def say(tiny, store, memory, turn: int, text: str, size: int = 12, role: str = "user") -> list[int]:
     memory.messages[(turn, role)] = text
     seed = turn if role == "user" else 1000 + turn
     ids = torch.randint(5, 500, (size,), generator=torch.Generator().manual_seed(seed)).tolist()
     prefill(tiny, store, ids, turn, role, turn)
     memory.settle()
+    return ids
 
 
 TEXTS = ["My dog Biscuit needs a vet appointment on Friday.", "What are your opening hours?",
@@ -96,6 +97,25 @@ def test_a_recalled_turn_comes_back_whole_and_what_the_cache_held_of_it_stays(ti
     store.policy.make_room(store, 46)  # all of it evicted: only the tokens that were held are new to the archive
     memory.settle()
     assert sum(len(memory.kept[r.id][1]) for r in memory.archive.segments_for("local", "default", turns=range(0, 1))) == 12
+    memory.close()
+
+
+@pytest.mark.parametrize("where", ["inside the reply", "across the two messages"])
+def test_recall_leaves_out_what_forget_marks_inside_a_message_never_across_two(tiny, where):
+    """`forget` (the superseded values' pieces) is asked once for all the recalled messages together; a
+    token sequence marked inside one message stays out, while the same sequence made of the user's last
+    token and the reply's first is no value of either message and comes back."""
+    store, memory = tiny_conversation(tiny, budget=48)
+    user = say(tiny, store, memory, 0, TEXTS[0])
+    reply = say(tiny, store, memory, 0, "Booked for Friday.", role="assistant")
+    for turn, text in enumerate(TEXTS[1:5], 1):
+        say(tiny, store, memory, turn, text)
+    pair = reply[3:5] if where == "inside the reply" else [user[-1], reply[0]]
+    forget = lambda meta: torch.zeros(len(meta), dtype=torch.bool).index_fill_(0, meta.find(pair), True)  # noqa: E731
+    recalled = memory.recall(5, shared_embedder().embed("Is Biscuit booked?")[0], ["biscuit"], None, forget=forget)
+    assert [(r.turn, r.tokens) for r in recalled] == [(0, 24)]
+    back = store.meta.token[store.meta.turn == 0].tolist()
+    assert back == (user + reply[:3] + reply[5:] if where == "inside the reply" else user + reply)
     memory.close()
 
 

@@ -67,6 +67,7 @@ class BenchConfig:
     memory_turns: int | None = None  # Part C: the dialogue's first this many turns (None: all 50)
     memory_dialogue: str | None = None  # Part C: the first dialogue of this file (None: data/dialogues.jsonl)
     memory_dtype: str = "float32"  # Part C: the model's and the KV's dtype ("auto": what `palace eval` picks here)
+    memory_count: int = 1  # Part C: the file's first this many dialogues, runs alternated, percentiles over all
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> "BenchConfig":
@@ -612,7 +613,8 @@ def run_bench(config: BenchConfig, model_spec: str = "embedded", json_path: str 
         same = resolve_dtype(config.memory_dtype) == loaded.dtype  # "auto" is float32 on CPUs without bfloat16
         memory_loaded = loaded if same else load_model(model_spec, "cpu", config.memory_dtype)
         result["part_c"] = part_c(memory_loaded, config.memory_turns, log,
-                                  Path(config.memory_dialogue) if config.memory_dialogue else DEFAULT_DIALOGUE)
+                                  Path(config.memory_dialogue) if config.memory_dialogue else DEFAULT_DIALOGUE,
+                                  config.memory_count)
         echo("\n".join(render_part_c(result["part_c"])))
     result["seconds"] = time.perf_counter() - started
     result["load_average_end"] = os.getloadavg()
