@@ -232,12 +232,14 @@ def test_part_c_runs_any_scripted_dialogue_and_refuses_one_without_replies(embed
     at a quarter of its own length and with the embedder's text cache emptied, percentiles over all their turns."""
     from agent.bench.memory_part import ROOT, part_c, render_part_c
     from agent.eval.dialogue import DialogueError
+    from memory.embedder import shared_embedder
 
     result = part_c(embedded, 3, lambda message: None, ROOT / "data" / "dev" / "dev-05.jsonl")
     assert result["turns"] == 3 and result["dialogue"].startswith("data/dev/dev-05.jsonl ")
     result = part_c(embedded, 3, lambda message: None, ROOT / "data" / "dialogues.jsonl", dialogues=2)
     assert result["dialogue"] == "data/dialogues.jsonl cs-0001..cs-0002" and len(result["budgets"]) == 2
     assert {run["samples"] for run in result["runs"].values()} == {6}
+    assert shared_embedder().cache_info().size <= 6  # the second dialogue's 3 user turns and 3 replies, no more
     assert render_part_c(result)[0].startswith("2 dialogues of 3 turns, data/dialogues.jsonl cs-0001..cs-0002")
     unscripted = tmp_path / "unscripted.jsonl"
     unscripted.write_text(json.dumps({"id": "u1", "turns": [{"user": "Hello there."}]}) + "\n")
