@@ -80,26 +80,30 @@ static inline void turn_row(char *to, const char *from, int rotate, const float 
     }
 }
 
-/* Move rows into one layer's keys and values (its [heads][head_stride] buffers from the first row written):
- * row j of every head takes row index[j] (or row j where index is NULL) of the source buffers, whose heads lie
- * source_stride elements apart; where rotate[j], the key is turned by cos/sin [n][dim/2] on the way
- * (turn_row, `fused` as it says). Element size 4 (float32) or 2 (bfloat16, `bf16` set).
+/* Move rows into every layer's keys and values (layer l's [heads][head_strides[l]] buffers at keys[l] / values[l],
+ * from the first row written), in one call for all layers (one per layer cost more in calls than in copying,
+ * and 2 threads over a layer's 3 KV heads left one idle a third of the time): row j of every head takes row
+ * index[j] (or row j where index is NULL) of layer l's source buffers, whose heads lie source_strides[l]
+ * elements apart; where rotate[j], the key is turned by cos/sin [n][dim/2] on the way (turn_row, `fused` as it
+ * says). Element size 4 (float32) or 2 (bfloat16, `bf16` set).
  * - A compaction, in place: the source is the layer itself, index ascending with index[j] >= j, so every read
  *   is ahead of every write before it (torch needs a gather into new tensors, a rotation over them and a copy
  *   back, op by op and layer by layer; at a 1K-token cache that is most of a splice's time).
- * - A splice at the end: the source is a span's [heads][n][dim] rows of this layer, no index: one pass over the
+ * - A splice at the end: the source is a span's [heads][n][dim] rows of each layer, no index: one pass over the
  *   span, not a rotation into temporaries and a copy. */
-void move_rows(void *keys, void *values, int heads, int64_t head_stride, int dim, int bf16, const void *source_keys,
-               const void *source_values, int64_t source_stride, const int64_t *index, int n, const float *cos,
-               const float *sin, const uint8_t *rotate, int fused, int threads) {
+void move_rows(const int64_t *keys, const int64_t *values, const int64_t *head_strides, int layers, int heads, int dim,
+               int bf16, const int64_t *source_keys, const int64_t *source_values, const int64_t *source_strides,
+               const int64_t *index, int n, const float *cos, const float *sin, const uint8_t *rotate, int fused,
+               int threads) {
     const int half = dim / 2;
     const size_t size = bf16 ? 2 : 4, row_bytes = (size_t)dim * size;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int h = 0; h < heads; h++) {
-        char *kbase = (char *)keys + (size_t)h * head_stride * size;
-        char *vbase = (char *)values + (size_t)h * head_stride * size;
-        const char *kfrom = (const char *)source_keys + (size_t)h * source_stride * size;
-        const char *vfrom = (const char *)source_values + (size_t)h * source_stride * size;
+    for (int r = 0; r < layers * heads; r++) {
+        const int l = r / heads, h = r % heads;
+        char *kbase = (char *)(intptr_t)keys[l] + (size_t)h * head_strides[l] * size;
+        char *vbase = (char *)(intptr_t)values[l] + (size_t)h * head_strides[l] * size;
+        const char *kfrom = (const char *)(intptr_t)source_keys[l] + (size_t)h * source_strides[l] * size;
+        const char *vfrom = (const char *)(intptr_t)source_values[l] + (size_t)h * source_strides[l] * size;
         for (int j = 0; j < n; j++) {
             const size_t to = (size_t)j * row_bytes, from = (size_t)(index ? index[j] : j) * row_bytes;
             if (vbase + to != vfrom + from) memcpy(vbase + to, vfrom + from, row_bytes);

@@ -43,7 +43,7 @@ KINDS = {"int8": 8, "int4": 4, "fp8": 0}  # the codes' layout, as the kernels na
 _i, _i64, _f, _p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _p, _i64, _p, _p, _f, _p, _i],
               "value_weighted": [_p, _i, _i, _i, _p, _i64, _i, _i, _i, _p, _p, _i64, _f, _p, _i],
-              "move_rows": [_p, _p, _i, _i64, _i, _i, _p, _p, _i64, _p, _i, _p, _p, _p, _i, _i],
+              "move_rows": [_p, _p, _p, _i, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _p, _i, _i],
               "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
               "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
@@ -172,34 +172,44 @@ def value_weighted(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 COMPACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def compact_rows(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 rotate: torch.Tensor) -> None:
-    """In place, for every head: row j of keys and values [1, heads, rows, dim] (a layer's buffers from the
-    first row rewritten, rows contiguous in each head) takes row index[j] (ascending, index[j] >= j), and
-    the keys where `rotate` [n] is set are turned by cos / sin [n, dim / 2]. float32 or bfloat16."""
+def compact_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, rotate: torch.Tensor) -> None:
+    """In place, for every layer's keys and values [1, heads, rows, dim] (its buffers from the first row
+    rewritten, rows contiguous in each head) and every head: row j takes row index[j] (ascending, index[j] >=
+    j), and the keys where `rotate` [n] is set are turned by cos / sin [n, dim / 2]. float32 or bfloat16; one
+    call for all layers."""
     index = index.to(torch.int64).contiguous()
-    _move_rows(keys, values, keys, values, keys.stride(1), index, index.numel(), cos, sin, rotate, fused=False)
+    _move_rows(layers, layers, [keys.stride(1) for keys, _ in layers], index, index.numel(), cos, sin, rotate,
+               fused=False)
 
 
-def place_rows(keys: torch.Tensor, values: torch.Tensor, span_keys: torch.Tensor, span_values: torch.Tensor,
+def place_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], span_keys: torch.Tensor, span_values: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, rotate: torch.Tensor) -> None:
-    """Row j of every head of keys and values [1, heads, rows, dim] (a layer's buffers from the first row
-    written, rows contiguous in each head) takes row j of span_keys / span_values [heads, n, dim]
-    (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate` [n] is set,
-    rounded as torch's out-of-place rotation (cache/rope.py) rounds it."""
-    _move_rows(keys, values, span_keys, span_values, span_keys.stride(0), None, span_keys.shape[1], cos, sin, rotate,
+    """Row j of every head of every layer's keys and values [1, heads, rows, dim] (its buffers from the first
+    row written, rows contiguous in each head) takes row j of that layer's span_keys / span_values [layers,
+    heads, n, dim] (contiguous, the buffers' dtype), the key turned by cos / sin [n, dim / 2] where `rotate`
+    [n] is set, rounded as torch's out-of-place rotation (cache/rope.py) rounds it. One call for all layers."""
+    sources = [(keys, values) for keys, values in zip(span_keys, span_values)]
+    _move_rows(layers, sources, [span_keys.stride(1)] * len(layers), None, span_keys.shape[2], cos, sin, rotate,
                fused=True)
 
 
-def _move_rows(keys: torch.Tensor, values: torch.Tensor, source_keys: torch.Tensor, source_values: torch.Tensor,
-               source_stride: int, index: torch.Tensor | None, n: int, cos: torch.Tensor, sin: torch.Tensor,
+def _move_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], sources: list[tuple[torch.Tensor, torch.Tensor]],
+               source_strides: list[int], index: torch.Tensor | None, n: int, cos: torch.Tensor, sin: torch.Tensor,
                rotate: torch.Tensor, fused: bool) -> None:
-    heads, dim = keys.shape[1], keys.shape[3]
+    first = layers[0][0]
+    heads, dim = first.shape[1], first.shape[3]
+    pointers = lambda tensors: torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)  # noqa: E731
+    keys, values = pointers(k for k, _ in layers), pointers(v for _, v in layers)
+    source_keys, source_values = pointers(k for k, _ in sources), pointers(v for _, v in sources)
+    strides = torch.tensor([k.stride(1) for k, _ in layers], dtype=torch.int64)
+    source_strides = torch.tensor(source_strides, dtype=torch.int64)
     cos, sin = _dense(cos), _dense(sin)
     rotate = rotate.to(torch.uint8).contiguous()
-    library().move_rows(keys.data_ptr(), values.data_ptr(), heads, keys.stride(1), dim, COMPACT_DTYPES[keys.dtype],
-                        source_keys.data_ptr(), source_values.data_ptr(), source_stride, _ptr(index), n,
-                        cos.data_ptr(), sin.data_ptr(), rotate.data_ptr(), int(fused), torch.get_num_threads())
+    library().move_rows(keys.data_ptr(), values.data_ptr(), strides.data_ptr(), len(layers), heads, dim,
+                        COMPACT_DTYPES[first.dtype], source_keys.data_ptr(), source_values.data_ptr(),
+                        source_strides.data_ptr(), _ptr(index), n, cos.data_ptr(), sin.data_ptr(), rotate.data_ptr(),
+                        int(fused), torch.get_num_threads())
 
 
 def gather_layer_rows(layers: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:

@@ -137,39 +137,6 @@ class ContiguousStorage:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def compact(self, start: int, order: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
-                turned: torch.Tensor) -> bool:
-        """Keep rows [0, start), then row start + j takes row start + order[j] (`order` ascending), its key
-        turned by `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in place and in one pass
-        by the native kernel (cache/native.py). False when it cannot (not on the CPU, another dtype, no
-        compiler): the caller rewrites the general way."""
-        from cache import native
-
-        if self.keys is None or self.keys.dtype not in native.COMPACT_DTYPES or not native.available(self.keys):
-            return False
-        half = self.keys.shape[3] // 2
-        native.compact_rows(self.keys[:, :, start:], self.values[:, :, start:], order, rotation[0][:, :half],
-                            rotation[1][:, :half], turned)
-        self.length = start + order.numel()
-        return True
-
-    def place(self, keys: torch.Tensor, values: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor],
-              turned: torch.Tensor) -> bool:
-        """Append a span's rows for this layer (keys and values [kv_heads, n, head_dim]), each key turned by
-        `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in one pass by the native kernel
-        (cache/native.py). False when it cannot (not on the CPU, another dtype, no compiler): the caller
-        rotates and appends the general way."""
-        from cache import native
-
-        if self.keys is None or keys.dtype != self.keys.dtype or values.dtype != self.values.dtype \
-                or self.keys.dtype not in native.COMPACT_DTYPES or not native.available(self.keys, keys, values):
-            return False
-        keys, values = keys.contiguous(), values.contiguous()
-        start, half = self.claim(keys.shape[1]), self.keys.shape[3] // 2
-        native.place_rows(self.keys[:, :, start:], self.values[:, :, start:], keys, values, rotation[0][:, :half],
-                          rotation[1][:, :half], turned)
-        return True
-
     def fit(self, reserve: int = 0) -> None:
         """Shrink capacity to the growth step that holds the tokens and `reserve` more, unless what it
         would free is at most a quarter of it and within the ceiling's growth step. Shrinking is a copy
@@ -208,6 +175,53 @@ class ContiguousStorage:
         storage = cls(dtype)
         storage.load_state(state)
         return storage
+
+
+def compact_layers(storages: list[ContiguousStorage], start: int, order: torch.Tensor,
+                   rotation: tuple[torch.Tensor, torch.Tensor], turned: torch.Tensor) -> bool:
+    """In every layer: keep rows [0, start), then row start + j takes row start + order[j] (`order`
+    ascending), its key turned by `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in place, in
+    one pass over all layers by the native kernel (cache/native.py). False when it cannot (not on the CPU,
+    another dtype, no compiler): the caller rewrites the general way."""
+    from cache import native
+
+    if not _native_rows(storages):
+        return False
+    half = storages[0].keys.shape[3] // 2
+    native.compact_rows([(s.keys[:, :, start:], s.values[:, :, start:]) for s in storages], order,
+                        rotation[0][:, :half], rotation[1][:, :half], turned)
+    for storage in storages:
+        storage.length = start + order.numel()
+    return True
+
+
+def place_layers(storages: list[ContiguousStorage], keys: torch.Tensor, values: torch.Tensor,
+                 rotation: tuple[torch.Tensor, torch.Tensor], turned: torch.Tensor) -> bool:
+    """Append a span's rows to every layer (keys and values [layers, kv_heads, n, head_dim]), each key turned
+    by `rotation` (cos, sin [n, head_dim]) where `turned` [n] is set: in one pass over all layers by the native
+    kernel (cache/native.py). False when it cannot (not on the CPU, another dtype, no compiler): the caller
+    rotates and appends the general way."""
+    from cache import native
+
+    if not _native_rows(storages) or keys.dtype != storages[0].keys.dtype or values.dtype != keys.dtype \
+            or not native.available(keys, values):
+        return False
+    keys, values = keys.contiguous(), values.contiguous()
+    half = storages[0].keys.shape[3] // 2
+    starts = [storage.claim(keys.shape[2]) for storage in storages]
+    native.place_rows([(s.keys[:, :, a:], s.values[:, :, a:]) for s, a in zip(storages, starts)], keys, values,
+                      rotation[0][:, :half], rotation[1][:, :half], turned)
+    return True
+
+
+def _native_rows(storages: list[ContiguousStorage]) -> bool:
+    """Whether the native kernels can move these layers' rows: all held, on the CPU, in one dtype they know."""
+    from cache import native
+
+    first = storages[0].keys
+    return first is not None and first.dtype in native.COMPACT_DTYPES and \
+        all(s.keys is not None and s.keys.dtype == first.dtype for s in storages) and \
+        native.available(*(s.keys for s in storages))
 
 
 def _steps(tokens: int) -> int:

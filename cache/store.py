@@ -31,7 +31,7 @@ from cache import native
 from cache.meta import ROLES, TokenMeta
 from cache.rope import Rerotator
 from cache.span import KVSpan
-from cache.storage import LayerStorage, StorageConfig, held_bytes
+from cache.storage import ContiguousStorage, LayerStorage, StorageConfig, compact_layers, held_bytes, place_layers
 
 if TYPE_CHECKING:
     from cache.policies import Policy
@@ -331,37 +331,50 @@ class KVStore(Cache):
         in_place = span is None and order is not None and bool((order[1:] > order[:-1]).all())
         # a splice at the end (span rows after every live one) is written straight into the storage where it can
         appended = span is not None and order is None and start == self.length
-        for i, layer in enumerate(self.layers):
-            if (in_place or appended) and hasattr(layer.storage, "place") and layer.is_initialized:  # contiguous float
-                rotation = rotation or self.rerotator.rotation(delta, layer.device)
-                if layer.storage.compact(start, order, rotation, turned) if in_place else \
-                        layer.storage.place(span.keys[i], span.values[i], rotation, turned):
-                    layer.storage.fit(reserve)
+        done = (in_place or appended) and self._move_natively(start, order if in_place else None, span, delta, turned,
+                                                           reserve)
+        if not done:
+            for i, layer in enumerate(self.layers):
+                if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
+                    kv = None if span is None else tuple(t[i].to(layer.device) if layer.is_initialized else t[i]
+                                                         for t in (span.keys, span.values))
+                    layer.storage.rearrange(start, order, delta, kv, self.rerotator)
+                    if not layer.is_initialized and kv is not None:
+                        layer.lazy_initialization(*kv)
                     continue
-            if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself
-                kv = None if span is None else tuple(t[i].to(layer.device) if layer.is_initialized else t[i]
-                                                     for t in (span.keys, span.values))
-                layer.storage.rearrange(start, order, delta, kv, self.rerotator)
-                if not layer.is_initialized and kv is not None:
-                    layer.lazy_initialization(*kv)
-                continue
-            keys, values, fresh = self._sources(i, start, span)
-            if order is not None:
-                device_order = order.to(keys.device)
-                keys, values, fresh = keys.index_select(2, device_order), values.index_select(2, device_order), True
-            if shifted:
-                rotation = rotation or self.rerotator.rotation(delta, keys.device)
-                keys = self.rerotator.shift(keys, rotation, in_place=fresh)
-            if start == 0:
-                layer.storage.replace(keys, values)
-            else:
-                layer.storage.truncate(start)
-                layer.storage.append(keys, values)
-            layer.storage.fit(reserve)
-            if not layer.is_initialized:
-                layer.lazy_initialization(keys, values)
+                keys, values, fresh = self._sources(i, start, span)
+                if order is not None:
+                    device_order = order.to(keys.device)
+                    keys, values, fresh = keys.index_select(2, device_order), values.index_select(2, device_order), True
+                if shifted:
+                    rotation = rotation or self.rerotator.rotation(delta, keys.device)
+                    keys = self.rerotator.shift(keys, rotation, in_place=fresh)
+                if start == 0:
+                    layer.storage.replace(keys, values)
+                else:
+                    layer.storage.truncate(start)
+                    layer.storage.append(keys, values)
+                layer.storage.fit(reserve)
+                if not layer.is_initialized:
+                    layer.lazy_initialization(keys, values)
         moved.position = positions
         self.meta = self.meta.select(slice(0, start)).cat(moved)
+
+    def _move_natively(self, start: int, order: torch.Tensor | None, span: KVSpan | None, delta: torch.Tensor,
+                   turned: torch.Tensor, reserve: int) -> bool:
+        """`_rewrite`'s compaction in place (`order`) or splice at the end (`span`) for every layer in one native
+        call, where every layer is contiguous float storage the kernels can read; False where not."""
+        storages = [layer.storage for layer in self.layers]
+        if not all(isinstance(s, ContiguousStorage) for s in storages) or \
+                not all(layer.is_initialized for layer in self.layers):
+            return False
+        rotation = self.rerotator.rotation(delta, self.layers[0].device)
+        if not (compact_layers(storages, start, order, rotation, turned) if span is None else
+                place_layers(storages, span.keys, span.values, rotation, turned)):
+            return False
+        for storage in storages:
+            storage.fit(reserve)
+        return True
 
     def _unchanged_prefix(self, start: int, order: torch.Tensor | None, span: KVSpan | None) -> int:
         """How many of the cache's first tokens a rewrite from 0 leaves where they are (same token, same
