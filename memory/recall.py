@@ -328,7 +328,7 @@ class LongTermMemory:
         """The missing tokens' KV, read from the archive, in serial order (the recalled turns oldest first,
         each in the order it was said), each token taken copied once into the span (a lone segment in order
         and whole is handed over uncopied: the splice reads a span and writes the store, never the span)."""
-        read = [(self.archive.get(segment_id, copy=False).to_span(), mask) for segment_id, mask in missing]
+        read = list(zip(self.archive.spans([segment_id for segment_id, _ in missing]), (mask for _, mask in missing)))
         if forget is not None:  # one call over every segment, a token -1 between them so no value spans two
             gap = TokenMeta.new(1, 0, -1, "system", 0, ids=[-1])
             joined = TokenMeta.cat(*(part for span, _ in read for part in (span.meta, gap)))

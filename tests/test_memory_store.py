@@ -255,6 +255,33 @@ def test_spill_past_memory_cap_and_back(tmp_path):
         assert archive.nbytes() == held  # reading a spilled segment does not pull it back into memory
 
 
+@pytest.mark.parametrize("kv_codec", ["float", "int8"])
+def test_spans_read_at_once_equal_each_segment_read_alone(kv_codec, tmp_path):
+    """`Archive.spans` (one query for many segments, what a recall reads) gives, in the order asked, what
+    `get(id).to_span()` gives for each: every metadata column and the KV, from memory and from disk, for
+    segments of both roles, several turns and topics, and bfloat16 KV beside float32; an unknown id is a
+    KeyError."""
+    rng = np.random.default_rng(9)
+    originals = [segment(seed=i, tokens=3 + 2 * i, turn=10 - i, topic=i % 3, text=f"turn {i}",
+                         dtype=torch.bfloat16 if i % 4 == 3 else torch.float32) for i in range(7)]
+    originals[2].role = "assistant"
+    cap = int(payload_bytes(originals[-1]) * (2.5 if kv_codec == "float" else 0.7))  # int8: about a quarter the bytes
+    with Archive.create(tmp_path / "session", ArchiveConfig(memory_cap_bytes=cap, kv_codec=kv_codec)) as archive:
+        ids = [archive.add(original, unit(rng, 1)[0]) for original in originals]
+        assert any((tmp_path / "session" / KV_DIR).iterdir()) and archive.nbytes() > 0  # on disk and in memory
+        asked = [ids[5], ids[0], ids[2], ids[6], ids[3]]
+        spans = archive.spans(asked)
+        assert len(spans) == len(asked)
+        for span, segment_id in zip(spans, asked):
+            alone = archive.get(segment_id).to_span()
+            for name in ("token", "segment", "turn", "role", "position", "pinned", "importance", "surprisal",
+                         "serial", "recalled_at"):
+                assert torch.equal(getattr(span.meta, name), getattr(alone.meta, name)), name
+            assert torch.equal(span.keys, alone.keys) and torch.equal(span.values, alone.values)
+        with pytest.raises(KeyError):
+            archive.spans([ids[1], 12345])
+
+
 def test_disk_cap_evicts_oldest_spilled(tmp_path):
     rng = np.random.default_rng(7)
     originals = [segment(seed=i, tokens=16, turn=i, text=f"turn {i}") for i in range(8)]
