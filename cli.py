@@ -535,9 +535,11 @@ def topics(
 
 def main() -> None:
     """Entry point: every expected failure becomes one line on stderr, never a traceback."""
+    from agent.allocator import keep_freed_memory
     from agent.model import ModelError
     from memory.files import ArchiveError
 
+    keep_freed_memory()
     try:
         app()
     except (UserError, ModelError, ArchiveError, ValueError, FileNotFoundError) as exc:  # TopicModelError is a ValueError

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from agent.allocator import keep_freed_memory
 from agent.eval.dialogue import Dialogue
 from agent.eval.harness import EvalConfig, run_policies
 from agent.eval.results import PolicyRun, merge_runs
@@ -47,6 +48,7 @@ PRIMITIVES_KEPT = "64"  # oneDNN's cache of compiled products (default 1,024): a
 def _start(spec: ModelSpec, threads: int) -> None:
     global _loaded
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVES_KEPT)  # read at oneDNN's first product
+    keep_freed_memory()  # a spawned process starts with glibc's defaults (agent/allocator.py)
     torch.set_num_threads(threads)
     _loaded = load_model(spec.model, spec.device, spec.dtype, spec.weights)
 
