@@ -30,4 +30,5 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    mmap_set = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and mmap_set

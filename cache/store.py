@@ -331,8 +331,7 @@ class KVStore(Cache):
         in_place = span is None and order is not None and bool((order[1:] > order[:-1]).all())
         # a splice at the end (span rows after every live one) is written straight into the storage where it can
         appended = span is not None and order is None and start == self.length
-        done = (in_place or appended) and self._move_natively(start, order if in_place else None, span, delta, turned,
-                                                           reserve)
+        done = (in_place or appended) and self._move_natively(start, order, span, delta, turned, reserve)
         if not done:
             for i, layer in enumerate(self.layers):
                 if hasattr(layer.storage, "rearrange"):  # a quantized layer moves its codes itself

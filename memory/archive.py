@@ -215,10 +215,10 @@ class Archive:
         column = lambda k, dtype: np.concatenate([np.frombuffer(row[k], dtype=dtype) for row in ordered])  # noqa: E731
         tokens = column(4, "<i8")
         lengths = [len(row[4]) // 8 for row in ordered]
-        each = lambda k: torch.from_numpy(np.repeat(np.array([row[k] for row in ordered], dtype=np.int64), lengths))  # noqa: E731
-        roles = torch.from_numpy(np.repeat(np.array([ROLES[row[1]] for row in ordered], dtype=np.int64), lengths))
+        each = lambda values: torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), lengths))  # noqa: E731
         count = len(tokens)
-        columns = TokenMeta(torch.from_numpy(tokens), each(3), each(2), roles, torch.from_numpy(column(5, "<i8")),
+        columns = TokenMeta(torch.from_numpy(tokens), each([row[3] for row in ordered]), each([row[2] for row in ordered]),
+                            each([ROLES[row[1]] for row in ordered]), torch.from_numpy(column(5, "<i8")),
                             torch.zeros(count, dtype=torch.bool), torch.from_numpy(column(6, "<f4")),
                             torch.from_numpy(column(7, "<f4")), torch.from_numpy(column(8, "<i8")),
                             torch.full((count,), NOT_RECALLED, dtype=torch.long))
