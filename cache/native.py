@@ -47,6 +47,7 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "gather_tokens": [_p, _p, _p, _i, _i64, _p, _p, _i, _i],
               "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
+              "w16_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
               "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i],
@@ -113,7 +114,7 @@ def library() -> ctypes.CDLL | None:
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
     lib.q4_matmul.restype = lib.q4_mlp.restype = lib.attend_one.restype = lib.q4_decode_layer.restype = ctypes.c_int
-    for probe in (lib.q8_fast, lib.q4_fast, lib.attend_fast):
+    for probe in (lib.q8_fast, lib.q4_fast, lib.attend_fast, lib.w16_block):
         probe.argtypes, probe.restype = [], ctypes.c_int
     return lib
 
@@ -266,6 +267,23 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
                         out.data_ptr(), torch.get_num_threads())
     return out
 
+
+def w16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's weight [n, k] rounded to bfloat16 and laid out for `w16_matmul`: blocks of
+    `w16_block()` outputs, each [k, block] (n a multiple of the block)."""
+    block = library().w16_block()
+    n, k = weight.shape
+    return weight.detach().to(torch.bfloat16).reshape(n // block, block, k).transpose(1, 2).contiguous()
+
+
+def w16_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] float32 times a weight packed by `w16_pack`, transposed, plus a float32 bias [n] ->
+    [rows, n] float32: the float32 product with the weight rounded to bfloat16, read at half the bytes."""
+    x = _dense(x)
+    out = torch.empty(x.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
+    library().w16_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), _ptr(_dense(bias)), out.shape[1],
+                         out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def q4_fast() -> bool:

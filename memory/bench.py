@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from memory.archive import Archive, ArchiveConfig
-from memory.embedder import DTYPES, Embedder, EmbedderConfig, embed_dtype
+from memory.embedder import DTYPES, Embedder, EmbedderConfig, embed_mode
 from memory.index import IndexConfig, VectorIndex
 from memory.segment import Segment
 
@@ -54,9 +54,9 @@ def set_threads(threads: int) -> None:
 
 def bench_embed(count: int) -> dict:
     """Each dtype the embedder offers (`auto` picks one: memory/embedder.py), at 1 and 2 threads, and how
-    close bfloat16's embeddings are to float32's (the lowest cosine over the sentences timed)."""
+    close the others' embeddings are to float32's (the lowest cosine over the sentences timed)."""
     sentence = "Turn {}: my order {} has not arrived yet, can you check where it is?"
-    out, vectors = {"auto": str(embed_dtype("auto", torch.device("cpu"))).removeprefix("torch.")}, {}
+    out, vectors = {"auto": embed_mode("auto", torch.device("cpu"))}, {}
     for dtype in DTYPES:
         embedder = Embedder(EmbedderConfig(dtype=dtype, cache_size=0))
         for threads in (1, 2):
@@ -64,7 +64,8 @@ def bench_embed(count: int) -> dict:
             out[f"{dtype}, {threads} thread(s)"] = timed(
                 lambda i: embedder.embed(sentence.format(f"{threads}.{i}", i * 7919)), count)
         vectors[dtype] = embedder.embed([sentence.format(i, i * 7919) for i in range(count)])
-    out["bfloat16 min cosine to float32"] = round(float((vectors["float32"] * vectors["bfloat16"]).sum(1).min()), 5)
+    for dtype in DTYPES.keys() - {"float32"}:
+        out[f"{dtype} min cosine to float32"] = round(float((vectors["float32"] * vectors[dtype]).sum(1).min()), 6)
     cached = Embedder()
     out["cache hit"] = timed(lambda i: cached.embed(sentence.format("1.0", 0)), count)
     return out

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from agent.packed import PackedLinear
+from agent.packed import PackedLinear, WidenedLinear
 
 DIM = 384
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-weights": torch.float32}  # by arithmetic
+WIDENED = "bf16-weights"  # float32 arithmetic, linear weights read as bfloat16 (agent/packed.py WidenedLinear)
 PAD_TO = 16  # token lengths are padded to a multiple of this (see Embedder._mean_pooled)
 
 
@@ -37,7 +38,7 @@ class EmbedderConfig:
     device: str = "cpu"
     batch_size: int = 32
     cache_size: int = 1024  # texts; 1.5 KB each
-    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (embed_dtype)
+    dtype: str = "auto"  # "float32", "bfloat16", "bf16-weights", or "auto" (embed_mode)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -61,7 +62,8 @@ class Embedder:
             raise FileNotFoundError(f"{path}: no sentence-transformers model here (modules.json missing)")
         # A local directory plus local_files_only: sentence-transformers and transformers never ask the Hub.
         self.model = SentenceTransformer(str(path), device=config.device, local_files_only=True)
-        self.dtype = embed_dtype(config.dtype, torch.device(config.device))
+        self.mode = embed_mode(config.dtype, torch.device(config.device))
+        self.dtype = DTYPES[self.mode]
         self.model.to(self.dtype)
         # renamed in sentence-transformers 6; the project does not pin it
         dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
@@ -70,7 +72,9 @@ class Embedder:
         self.config = config
         self._direct = [type(m).__name__ for m in self.model] == ["Transformer", "Pooling", "Normalize"] and \
             getattr(self.model[1], "pooling_mode", None) == "mean"
-        self._lean = _LeanBert.of(self.model[0].auto_model) if self._direct else None
+        self._lean = _LeanBert.of(self.model[0].auto_model, self.mode == WIDENED) if self._direct else None
+        if self.mode == WIDENED and self._lean is None:  # only the lean pass reads widened weights
+            self.mode = "float32"
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._hits = self._misses = 0
         self._lock = threading.Lock()
@@ -142,26 +146,31 @@ class _LeanBert:
     cosine 0.99997 or more). On the 2-core Xeon of the README a turn embeds in 0.73x transformers' time
     between the model's forwards (9.6 against 13.1 ms p50); the test suite holds both to the same states."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, widen: bool = False):
         self.model = model
         self.layers = []
+        linear = WidenedLinear if widen else PackedLinear
         for layer in model.encoder.layer:
             attention = layer.attention.self
             qkv = [attention.query, attention.key, attention.value]
-            self.layers.append((PackedLinear(torch.cat([m.weight for m in qkv]), torch.cat([m.bias for m in qkv])),
+            self.layers.append((linear(torch.cat([m.weight for m in qkv]), torch.cat([m.bias for m in qkv])),
                                 attention.num_attention_heads, attention.scaling,
-                                PackedLinear.of(layer.attention.output.dense), layer.attention.output.LayerNorm,
-                                PackedLinear.of(layer.intermediate.dense), PackedLinear.of(layer.output.dense),
+                                linear.of(layer.attention.output.dense), layer.attention.output.LayerNorm,
+                                linear.of(layer.intermediate.dense), linear.of(layer.output.dense),
                                 layer.output.LayerNorm))
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "_LeanBert | None":
-        """The lean pass for a BERT of the bundled kind (absolute positions, GELU), else None."""
+    def of(cls, model: torch.nn.Module, widen: bool = False) -> "_LeanBert | None":
+        """The lean pass for a BERT of the bundled kind (absolute positions, GELU), else None; with `widen`,
+        its float32 linear weights read as bfloat16 (None where the kernel does not take them)."""
         config = model.config
         if config.model_type != "bert" or getattr(config, "position_embedding_type", "absolute") != "absolute" \
                 or config.hidden_act != "gelu" or config.is_decoder:
             return None
-        return cls(model)
+        linears = [m for m in model.encoder.modules() if isinstance(m, torch.nn.Linear)]
+        if widen and not all(WidenedLinear.fits(m.weight) for m in linears):
+            return None
+        return cls(model, widen)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last hidden state [batch, tokens, 384] of a tokenized batch."""
@@ -185,16 +194,21 @@ def _norm(hidden: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(hidden, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
-def embed_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def embed_mode(dtype: str, device: torch.device) -> str:
     """`auto`: bfloat16 where the hardware multiplies it natively (CUDA with bf16; CPUs with AMX or
-    AVX-512 BF16), float32 elsewhere. On a 2-core AMD EPYC with AVX-512 BF16 a 13-token turn embeds in
-    5.3 ms instead of 12.7, and its embedding keeps cosine 0.9999 to the float32 one (`python -m
-    memory.bench` measures both)."""
+    AVX-512 BF16); on other CPUs float32 arithmetic with the weights read as bfloat16 where the project's
+    kernels are built, else float32. On a 2-core AMD EPYC with AVX-512 BF16 a 13-token turn embeds in
+    5.3 ms instead of 12.7, and its embedding keeps cosine 0.9999 to the float32 one; on an AVX2-only EPYC
+    bfloat16 weights take it from 10 to 5 ms (`python -m memory.bench` measures each)."""
     if dtype != "auto":
-        return DTYPES[dtype]
+        return dtype
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if native_bfloat16_cpu() else torch.float32
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    if native_bfloat16_cpu():
+        return "bfloat16"
+    from cache import native
+
+    return WIDENED if device.type == "cpu" and native.library() is not None else "float32"
 
 
 def native_bfloat16_cpu() -> bool:

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from agent.packed import packable
+from agent.packed import WidenedLinear, packable
 from memory.archive import DB_NAME, INDEX_NAME, KV_DIR, Archive, ArchiveConfig
-from memory.embedder import Embedder, EmbedderConfig, embed_dtype
+from memory.embedder import DTYPES, WIDENED, Embedder, EmbedderConfig, embed_mode, native_bfloat16_cpu
 from memory.files import ArchiveError
 from memory.index import KINDS, IndexConfig, VectorIndex
 from memory.segment import Segment
@@ -107,7 +107,12 @@ def test_embedder_bfloat16_agrees_with_float32(embedder):
     assert narrow.dtype == np.float32 and np.allclose(np.linalg.norm(narrow, axis=1), 1, atol=1e-5)
     assert (wide * narrow).sum(1).min() > 0.999
     assert np.abs(wide @ wide.T - narrow @ narrow.T).max() < 0.01
-    assert embedder.dtype == embed_dtype("auto", torch.device("cpu"))
+    rounded = Embedder(EmbedderConfig(dtype=WIDENED, cache_size=0)).embed(texts)  # float32 arithmetic
+    assert 0.99995 < (wide * rounded).sum(1).min() < 1 - 1e-8  # closer still, and not float32's own vectors
+    assert np.abs(wide @ wide.T - rounded @ rounded.T).max() < 0.002
+    auto = embed_mode("auto", torch.device("cpu"))
+    assert embedder.mode == auto == ("bfloat16" if native_bfloat16_cpu() else WIDENED)
+    assert embedder.dtype == DTYPES[embedder.mode]
     with pytest.raises(ValueError, match="unknown embedder dtype 'int8'"):
         EmbedderConfig(dtype="int8")
 
@@ -125,15 +130,23 @@ def test_embedder_pools_as_sentence_transformers_encode_does(embedder):
     assert (batch * encoded).sum(1).min() > 0.99999 and (alone * batch).sum(1).min() > 0.99999
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", WIDENED])
 def test_embedder_lean_pass_equals_transformers_forward(dtype):
     """The lean encoder pass computes BertModel's products in its order: the same hidden states, padded
-    batch or not, in either precision (so nothing tuned on vectors of one path means else on the other)."""
+    batch or not, in each precision (so nothing tuned on vectors of one path means else on the other); with
+    bfloat16 weights, those of BertModel with its linear weights so rounded."""
     embedder = Embedder(EmbedderConfig(dtype=dtype, cache_size=0))
-    assert embedder._lean is not None
-    packed = {linear.packed is not None for layer in embedder._lean.layers for linear in layer if hasattr(linear, "packed")}
+    assert embedder._lean is not None and embedder.mode == dtype
+    linears = [linear for layer in embedder._lean.layers for linear in layer if hasattr(linear, "packed")]
+    assert len(linears) == 4 * len(embedder._lean.layers)
     bf16_packable = packable(torch.zeros(1, 1, dtype=torch.bfloat16))  # not on an AVX2-only CPU (agent/packed.py)
-    assert packed == {dtype == "bfloat16" and bf16_packable}  # the path under test
+    if dtype == WIDENED:  # the path under test
+        assert all(isinstance(linear, WidenedLinear) for linear in linears)
+        for module in embedder.model[0].auto_model.encoder.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data = module.weight.data.to(torch.bfloat16).float()
+    else:
+        assert {linear.packed is not None for linear in linears} == {dtype == "bfloat16" and bf16_packable}
     texts = ["Hi", "Flat 14, 37 Larch Close, please: the courier keeps going to number 73 instead of mine.",
              "Can I move the booking FB-22817 to Sunday?"]
     for batch in ([texts[1]], texts):

@@ -277,6 +277,35 @@ def test_bfloat16_glue_equals_the_module_ops_bit_for_bit(rows):
         assert torch.equal(got, want)
 
 
+
+def widened_case(rows: int, k: int = 96, n: int = 64, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    return torch.randn(rows, k, generator=generator) * 3, weight, torch.randn(n, generator=generator)
+
+
+def assert_widened_product(rows: int, seed: int) -> None:
+    """w16_matmul equals the float32 product with the weight rounded to bfloat16, with a bias and without."""
+    x, weight, bias = widened_case(rows, seed=seed)
+    rounded = weight.to(torch.bfloat16).double()
+    packed = native.w16_pack(weight)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == weight.numel()
+    scale = float((x.abs().double() @ rounded.abs().t()).max())
+    for shift in (bias, None):
+        want = x.double() @ rounded.t() + (0 if shift is None else shift.double())
+        assert float((native.w16_matmul(x, packed, shift).double() - want).abs().max()) < 1e-6 * scale
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_widened_weights_give_the_float32_product_of_the_rounded_weights(rows):
+    """The embedder's products on a CPU without bfloat16 arithmetic (agent/packed.py WidenedLinear): every
+    row count (whole tiles of six rows and the remainders) gives the product of the rounded weights, and not
+    the float32 weights' own product."""
+    assert_widened_product(rows, seed=rows)
+    x, weight, _ = widened_case(rows, seed=rows)
+    assert not torch.allclose(native.w16_matmul(x, native.w16_pack(weight)), x @ weight.t(), rtol=0, atol=1e-6)
+
+
 # Each instruction set the kernels have code for, built on this (x86) machine by turning the wider ones off:
 # CI's CPU runs one of them natively, the others here. (name, compiler flags, integer dots, vector code)
 INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-avx512f", "-mno-avx2"], False, False)]
@@ -285,8 +314,8 @@ INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-av
 @pytest.mark.parametrize("name,flags,dots,vector", INSTRUCTION_SETS, ids=[s[0] for s in INSTRUCTION_SETS])
 def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, name, flags, dots, vector):
     """The weight and attention kernels built for AVX2 (no AVX-512) and for no vector unit at all: each
-    reports what it runs fast, and its int4, int8, SwiGLU and one-token attention results match float math,
-    and its bfloat16 glue torch's ops."""
+    reports what it runs fast, and its int4, int8, bfloat16-weight, SwiGLU and one-token attention results match
+    float math, and its bfloat16 glue torch's ops."""
     import torch.nn.functional as F
 
     from tests.test_decode_attention import layer_views
@@ -322,5 +351,7 @@ def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, na
         inputs = bf16_glue_inputs(40, seed=6)
         for got, want in zip(native_glue(*inputs), module_glue(*inputs), strict=True):
             assert torch.equal(got, want)
+        for rows in (1, 7):
+            assert_widened_product(rows, seed=rows)
     finally:
         native.library.cache_clear()

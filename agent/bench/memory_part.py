@@ -92,7 +92,7 @@ def part_c(loaded, turns_limit: int | None, log: Callable[[str], None], path: Pa
     ids = scripted[0][0] if len(scripted) == 1 else f"{scripted[0][0]}..{scripted[-1][0]}"
     return {"dialogue": f"{where.relative_to(ROOT) if where.is_relative_to(ROOT) else where} {ids}",
             "dialogues": len(scripted), "turns": len(scripted[0][2]), "budget_tokens": budgets[0], "full_tokens": fulls[0],
-            "budgets": budgets, "dtype": kv, "runs": runs,
+            "budgets": budgets, "dtype": kv, "embedder": shared_embedder().mode, "runs": runs,
             "ttft_p95_vs_hybrid": palace["p95"] / base["p95"], "ttft_p50_vs_hybrid": palace["p50"] / base["p50"]}
 
 
@@ -124,7 +124,7 @@ def render_part_c(result: dict) -> list[str]:
             f"(25 % of {result['full_tokens']})" if result["dialogues"] == 1 else
             f"{result['dialogues']} dialogues of {result['turns']} turns, {result['dialogue']}, each at 25 % of its "
             f"length ({min(result['budgets'])}-{max(result['budgets'])} tokens)")
-    lines = [f"{head}, model and KV in {result['dtype']}",
+    lines = [f"{head}, model and KV in {result['dtype']}, embedder {result['embedder']}",
              f"  {'step':30} {'p50 ms':>8} {'p95 ms':>8}"]
     for step, row in palace["steps"].items():
         lines.append(f"  {step + (' (on the clock)' if step in ON_CLOCK else ' (after the reply)'):30} "
