@@ -10,9 +10,11 @@ transformers. On the CPU the output layer reads int8 codes where they hold its w
 embedded model's tied embedding was stored as GGUF Q8_0: agent/qlinear.Q8Head), a quarter of the bytes.
 With int4 weights in the native layout, a decode token over float32 KV buffers goes through each layer in
 one native call (products, the new key and value written in place, attention, MLP: `LeanLlama._step`), which
-took int4 decode from 0.81x to 1.03x llama.cpp's pace on an AVX2 EPYC. The arithmetic is otherwise
-transformers' own, in its order (the rotation of queries and keys is done
-for both at once, the same products and sums), so the logits agree to float rounding;
+took int4 decode from 0.81x to 1.03x llama.cpp's pace on an AVX2 EPYC. In float32, the embedded model's
+weights are read from the GGUF Q4_1 codes they exactly are (`_product`, `native.q4f_matmul`: an eighth of
+the bytes, float32 sums), which took float32 decode from 26 to 67-69 tokens/s on that EPYC with the same
+greedy tokens. The arithmetic is otherwise transformers' own, in its order (the rotation of queries and keys
+is done for both at once, the same products and sums), so the logits agree to float rounding;
 transformers' forward stays the reference path (`PALACE_LEAN=0`, and every family but Llama), and a
 test holds the two to the same logits and greedy tokens."""
 
@@ -63,7 +65,7 @@ class _Layer:
     keys and values in one product, queries and keys rotated ([1, heads, n, head_dim] each). `after`: the
     attention output's projection added to the stream, then the MLP of the normed stream added to it."""
 
-    kind: str  # "dot" (native int4 kernels), "float" / "bf16" (torch's products, native glue) or "modules" (their own ops)
+    kind: str  # "dot" (native int4 kernels), "float" / "bf16" (native or torch's products, native glue), "modules"
     attention: torch.nn.Module  # for its layer_idx and scaling, which the palace attention reads
     before: Callable[[torch.Tensor, _Rotation], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (attention output, stream) -> stream
@@ -135,15 +137,17 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
 
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if dense(stream):
-            return _float_before(stream, turn, native.q4_dense(qkv.packed, qkv.scales_zeros), norm_in, qkv.sizes, head_dim)
+            qkv_w = _torch_product(native.q4_dense(qkv.packed, qkv.scales_zeros))
+            return _float_before(stream, turn, qkv_w, norm_in, qkv.sizes, head_dim)
         out = native.q4_matmul(stream.reshape(-1, stream.shape[-1]), qkv.packed, qkv.scales_zeros, norm=norm_in,
                                rotary=(*turn.rows, rotated, head_dim))
         return _heads(out.view(*stream.shape[:-1], -1).split(qkv.sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         if dense(stream):
-            o_w, gate_up_w, down_w = (native.q4_dense(w.packed, w.scales_zeros) for w in (o, gate_up, down))
-            return _float_after(out, stream, o_w.t(), norm_post, gate_up_w, down_w.t())
+            o_w, gate_up_w, down_w = (_torch_product(native.q4_dense(w.packed, w.scales_zeros))
+                                      for w in (o, gate_up, down))
+            return _float_after(out, stream, o_w, norm_post, gate_up_w, down_w)
         return native.q4_mlp(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]), (o.packed, o.scales_zeros),
                              norm_post, (gate_up.packed, gate_up.scales_zeros), (down.packed, down.scales_zeros)).view_as(stream)
 
@@ -157,21 +161,23 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
 
 
 def _float_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
-    """The layer with float32 weights on a CPU with the native kernels: torch's products, and the glue around
-    them in C (`native.prepare_rows`: the RMS norms and SwiGLU; `native.rotate_rows`: queries and keys in
-    place) and in the products (the residual adds as `addmm`), about a dozen calls a layer instead of forty
-    small ops. None where the weights are not all float32 without bias on the CPU under a SiLU MLP."""
+    """The layer with float32 weights on a CPU with the native kernels: its products (`_product`: the embedded
+    model's weights read from their Q4_1 codes), and the glue around them in C (`native.prepare_rows`: the RMS
+    norms and SwiGLU; `native.rotate_rows`: queries and keys in place) and in the products (the residual adds),
+    about a dozen calls a layer instead of forty small ops. None where the weights are not all float32 without
+    bias on the CPU under a SiLU MLP."""
     attention, linears = layer.self_attn, _linears(layer)
     weights = [m.weight for m in linears if type(m) is torch.nn.Linear]
     if (not silu or len(weights) < len(linears) or any(m.bias is not None for m in linears)
             or any(w.dtype != torch.float32 or w.device.type != "cpu" for w in weights) or not native.available(*weights)):
         return None
     norm_in, norm_post = _norms(layer)
-    qkv, gate_up = _concatenated(linears[:3]), _concatenated(linears[4:6])
-    o_t, down_t = linears[3].weight.detach().t(), linears[6].weight.detach().t()  # transposed once, not per call
+    qkv, gate_up = _product(_concatenated(linears[:3])), _product(_concatenated(linears[4:6]))
+    o, down = _product(linears[3].weight), _product(linears[6].weight)
     sizes = [m.out_features for m in linears[:3]]
     before = functools.partial(_float_before, qkv=qkv, norm=norm_in, sizes=sizes, head_dim=attention.head_dim)
-    return _Layer("float", attention, before, functools.partial(_float_after, o_t=o_t, norm=norm_post, gate_up=gate_up, down_t=down_t))
+    after = functools.partial(_float_after, o=o, norm=norm_post, gate_up=gate_up, down=down)
+    return _Layer("float", attention, before, after)
 
 
 def _bf16_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
@@ -204,21 +210,43 @@ def _bf16_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     return _Layer("bf16", attention, before, after)
 
 
-def _float_before(stream: torch.Tensor, turn: _Rotation, qkv: torch.Tensor, norm: tuple[torch.Tensor, float],
+Product = Callable[..., torch.Tensor]  # (rows [n, k], residual [n, out] or None) -> rows @ weight.T (+ residual)
+
+
+def _torch_product(weight: torch.Tensor) -> Product:
+    """A float32 weight's product through torch (the residual added in the same call, `addmm`)."""
+    transposed = weight.detach().t()  # once, not per call
+
+    def product(rows: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return rows @ transposed if residual is None else torch.addmm(residual, rows, transposed)
+
+    return product
+
+
+def _product(weight: torch.Tensor) -> Product:
+    """A float32 weight's product: read from its exact Q4_1 codes where it has them (the embedded model's, shipped
+    as GGUF Q4_1: `native.q4f_matmul`, an eighth of the bytes and the same weights), else through torch."""
+    packed = native.q4f_pack(weight)
+    if packed is None:
+        return _torch_product(weight)
+    return lambda rows, residual=None: native.q4f_matmul(rows, *packed, residual=residual)
+
+
+def _float_before(stream: torch.Tensor, turn: _Rotation, qkv: Product, norm: tuple[torch.Tensor, float],
                   sizes: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float32 layer's norm, queries, keys and values in one product, queries and keys rotated in place."""
-    out = torch.nn.functional.linear(_normed(stream.reshape(-1, stream.shape[-1]), norm), qkv)
+    out = qkv(_normed(stream.reshape(-1, stream.shape[-1]), norm))
     native.rotate_rows(out, *turn.rows, sizes[0] + sizes[1], head_dim)
     return _heads(out.view(*stream.shape[:-1], -1).split(sizes, dim=-1), head_dim)
 
 
-def _float_after(out: torch.Tensor, stream: torch.Tensor, o_t: torch.Tensor, norm: tuple[torch.Tensor, float],
-                 gate_up: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+def _float_after(out: torch.Tensor, stream: torch.Tensor, o: Product, norm: tuple[torch.Tensor, float],
+                 gate_up: Product, down: Product) -> torch.Tensor:
     """A float32 layer after attention: output projection and residual add, norm, gate and up, SwiGLU, down and
-    residual add (o_t and down_t transposed weights)."""
-    middle = torch.addmm(stream.reshape(-1, stream.shape[-1]), out.reshape(-1, out.shape[-1]), o_t)
-    gated = torch.nn.functional.linear(_normed(middle, norm), gate_up)
-    return torch.addmm(middle, _swiglu(gated), down_t).view_as(stream)
+    residual add."""
+    middle = o(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]))
+    gated = gate_up(_normed(middle, norm))
+    return down(_swiglu(gated), middle).view_as(stream)
 
 
 def _normed(rows: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:

@@ -106,35 +106,88 @@ void q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float
 
 
 
-/* ---- bfloat16 weights times float32 rows, float32 sums: the sentence embedder's layers on a CPU without
- * bfloat16 arithmetic ----
+/* ---- Float32 rows times weights read narrow and widened in registers, float32 sums: bfloat16 weights (the
+ * sentence embedder's layers on a CPU without bfloat16 arithmetic) and Q4_1 codes (the embedded model's own
+ * weights, exactly) ----
  *
- * Why: at a sentence's few dozen rows a float32 product is bound by reading its weights (24 products of the
- * embedder, 16 rows: 5.9 ms with MKL on a 2-core AVX2 EPYC, about 55 GFLOP/s). Read as bfloat16 they are
- * half the bytes, widened to float32 in registers (a shift); the sums are float32, so the result is a float32
- * product with the weights rounded to bfloat16, up to the order of the additions.
+ * Why: at a few dozen rows a float32 product is bound by reading its weights (24 products of the embedder, 16
+ * rows: 5.9 ms with MKL on a 2-core AVX2 EPYC, about 55 GFLOP/s). Read as bfloat16 they are half the bytes,
+ * widened by a shift; as Q4_1 codes an eighth, widened by code * scale + minimum, which gives back the
+ * embedded model's float32 weights bit for bit (the GGUF's scales and minimums are float16, and code * scale is
+ * exact in float32). The sums are float32: a float32 product of the weights as widened, up to the order of
+ * the additions.
  *
- * Layout (w16_pack in cache/native.py): blocks of W16_OUT outputs, each [k][W16_OUT], so one input's weights
- * for the block are two vectors. A tile is W16_OUT outputs by W16_ROWS rows, its sums in 2 x W16_ROWS
- * registers: per input, two widened weight vectors and one broadcast of each row's activation feed
- * 2 x W16_ROWS multiply-adds, and no sum is reduced across lanes. */
+ * Layout (w16_pack, q4f_pack in cache/native.py): blocks of W16_OUT outputs, each by input: bfloat16
+ * [k][W16_OUT]; Q4_1 codes [k][W16_OUT / 2] (byte j: output j in the low nibble, output j + W16_OUT / 2 in the
+ * high one) with float32 scales and minimums [k / 32][2][W16_OUT]. A tile is W16_OUT outputs by W16_ROWS rows,
+ * its sums in 2 x W16_ROWS registers: per input, two widened weight vectors and one broadcast of each row's
+ * activation feed 2 x W16_ROWS multiply-adds, and no sum is reduced across lanes. Q4_1 blocks are widened once
+ * into a float32 buffer when more than one tile of rows reads them. */
 #define W16_ROWS 6
 #ifdef PALACE_VECTOR
 #define W16_OUT (2 * VLEN)
 #else
 #define W16_OUT 16
 #endif
+#define Q4F_GROUP 32
+enum widen { WIDEN_BF16, WIDEN_F32, WIDEN_Q4 };
 
-static inline __attribute__((always_inline)) void w16_tile(const float *x, const int rows, int k, const uint16_t *w,
-                                                           const float *bias, float *out, int n_out) {
+#ifdef PALACE_VECTOR
+/* Input i's weights for the block's W16_OUT outputs, as two vectors. */
+static inline __attribute__((always_inline)) void widen_at(const enum widen kind, const void *w, const float *params,
+                                                           int i, vfloat *first, vfloat *second) {
+    if (kind == WIDEN_BF16) {
+        const uint16_t *p = (const uint16_t *)w + (int64_t)i * W16_OUT;
+        *first = vfrom_bf16(p);
+        *second = vfrom_bf16(p + VLEN);
+    } else if (kind == WIDEN_F32) {
+        const float *p = (const float *)w + (int64_t)i * W16_OUT;
+        *first = vload(p);
+        *second = vload(p + VLEN);
+    } else {
+        const uint8_t *p = (const uint8_t *)w + (int64_t)i * (W16_OUT / 2);
+        const float *scale = params + (int64_t)(i / Q4F_GROUP) * 2 * W16_OUT, *low = scale + W16_OUT;
+#if VLEN == 16
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0f);
+        const vint lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask));
+        const vint hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+#else
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)p), mask = _mm_set1_epi8(0x0f);
+        const vint lo = _mm256_cvtepu8_epi32(_mm_and_si128(bytes, mask));
+        const vint hi = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+#endif
+        *first = vfma(vfrom_i32(lo), vload(scale), vload(low));
+        *second = vfma(vfrom_i32(hi), vload(scale + VLEN), vload(low + VLEN));
+    }
+}
+#endif
+
+/* One weight of the block, one at a time (the scalar code's reading of the same layouts). */
+static inline float widen_one(const enum widen kind, const void *w, const float *params, int i, int o) {
+    if (kind == WIDEN_BF16) return bf16_to_float(((const uint16_t *)w)[(int64_t)i * W16_OUT + o]);
+    if (kind == WIDEN_F32) return ((const float *)w)[(int64_t)i * W16_OUT + o];
+    const uint8_t byte = ((const uint8_t *)w)[(int64_t)i * (W16_OUT / 2) + o % (W16_OUT / 2)];
+    const float *scale = params + (int64_t)(i / Q4F_GROUP) * 2 * W16_OUT;
+    return fmaf((float)(o < W16_OUT / 2 ? byte & 15 : byte >> 4), scale[o], scale[W16_OUT + o]);
+}
+
+static inline __attribute__((always_inline)) void widened_tile(const enum widen kind, const float *x, const int rows,
+                                                               int k, const void *w, const float *params,
+                                                               const float *bias, const float *residual, float *out,
+                                                               int n_out) {
 #ifdef PALACE_VECTOR
     vfloat low[W16_ROWS], high[W16_ROWS];
     for (int m = 0; m < rows; m++) {
-        low[m] = bias ? vload(bias) : vzero();
-        high[m] = bias ? vload(bias + VLEN) : vzero();
+        low[m] = residual ? vload(residual + (int64_t)m * n_out) : vzero();
+        high[m] = residual ? vload(residual + (int64_t)m * n_out + VLEN) : vzero();
+        if (bias) {
+            low[m] = vadd(low[m], vload(bias));
+            high[m] = vadd(high[m], vload(bias + VLEN));
+        }
     }
     for (int i = 0; i < k; i++) {
-        const vfloat u = vfrom_bf16(w + (int64_t)i * W16_OUT), v = vfrom_bf16(w + (int64_t)i * W16_OUT + VLEN);
+        vfloat u, v;
+        widen_at(kind, w, params, i, &u, &v);
         for (int m = 0; m < rows; m++) {
             const vfloat xm = vset1(x[(int64_t)m * k + i]);
             low[m] = vfma(xm, u, low[m]);
@@ -148,36 +201,79 @@ static inline __attribute__((always_inline)) void w16_tile(const float *x, const
 #else
     for (int m = 0; m < rows; m++)
         for (int o = 0; o < W16_OUT; o++) {
-            float total = bias ? bias[o] : 0.0f;
-            for (int i = 0; i < k; i++) total += x[(int64_t)m * k + i] * bf16_to_float(w[(int64_t)i * W16_OUT + o]);
+            float total = (residual ? residual[(int64_t)m * n_out + o] : 0.0f) + (bias ? bias[o] : 0.0f);
+            for (int i = 0; i < k; i++) total += x[(int64_t)m * k + i] * widen_one(kind, w, params, i, o);
             out[(int64_t)m * n_out + o] = total;
         }
 #endif
 }
 
-/* out [rows][n_out] = x [rows][k] @ w^T (+ bias [n_out]), w packed as above; n_out a multiple of W16_OUT. */
-void w16_matmul(const float *x, int rows, int k, const uint16_t *w, const float *bias, int n_out, float *out,
-                int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int b = 0; b < n_out / W16_OUT; b++) { /* a block's weights stay in L1/L2 while the row tiles pass */
-        const uint16_t *block = w + (int64_t)b * k * W16_OUT;
-        const float *shift = bias ? bias + b * W16_OUT : NULL;
-        for (int m0 = 0; m0 < rows; m0 += W16_ROWS) {
-            const float *tile = x + (int64_t)m0 * k;
-            float *target = out + (int64_t)m0 * n_out + b * W16_OUT;
-            switch (rows - m0 < W16_ROWS ? rows - m0 : W16_ROWS) { /* constant row counts: sums stay in registers */
-            case 6: w16_tile(tile, 6, k, block, shift, target, n_out); break;
-            case 5: w16_tile(tile, 5, k, block, shift, target, n_out); break;
-            case 4: w16_tile(tile, 4, k, block, shift, target, n_out); break;
-            case 3: w16_tile(tile, 3, k, block, shift, target, n_out); break;
-            case 2: w16_tile(tile, 2, k, block, shift, target, n_out); break;
-            default: w16_tile(tile, 1, k, block, shift, target, n_out);
-            }
+/* The row tiles of one block over its weights; constant row counts, so each tile's sums stay in registers. */
+static inline __attribute__((always_inline)) void widened_block(const enum widen kind, const float *x, int rows, int k,
+                                                                const void *w, const float *params, const float *bias,
+                                                                const float *residual, float *out, int n_out) {
+    for (int m0 = 0; m0 < rows; m0 += W16_ROWS) {
+        const float *tile = x + (int64_t)m0 * k, *added = residual ? residual + (int64_t)m0 * n_out : NULL;
+        float *target = out + (int64_t)m0 * n_out;
+        switch (rows - m0 < W16_ROWS ? rows - m0 : W16_ROWS) {
+        case 6: widened_tile(kind, tile, 6, k, w, params, bias, added, target, n_out); break;
+        case 5: widened_tile(kind, tile, 5, k, w, params, bias, added, target, n_out); break;
+        case 4: widened_tile(kind, tile, 4, k, w, params, bias, added, target, n_out); break;
+        case 3: widened_tile(kind, tile, 3, k, w, params, bias, added, target, n_out); break;
+        case 2: widened_tile(kind, tile, 2, k, w, params, bias, added, target, n_out); break;
+        default: widened_tile(kind, tile, 1, k, w, params, bias, added, target, n_out);
         }
     }
 }
 
-/* Outputs a block of the packed layout (w16_pack lays the weights out by it). */
+/* out [rows][n_out] = x [rows][k] @ w^T (+ bias [n_out]), w bfloat16 in the layout above; n_out a multiple of
+ * W16_OUT. A block's weights stay in L1/L2 while its row tiles pass. */
+void w16_matmul(const float *x, int rows, int k, const uint16_t *w, const float *bias, int n_out, float *out,
+                int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int b = 0; b < n_out / W16_OUT; b++)
+        widened_block(WIDEN_BF16, x, rows, k, w + (int64_t)b * k * W16_OUT, NULL, bias ? bias + b * W16_OUT : NULL,
+                      NULL, out + b * W16_OUT, n_out);
+}
+
+/* The same for Q4_1 codes and their float32 scales and minimums (layout above; k a multiple of 32), plus
+ * `residual` [rows][n_out] where given (a layer's residual stream). Returns 0, or -1 when a buffer could not be
+ * allocated. */
+int q4f_matmul(const float *x, int rows, int k, const uint8_t *codes, const float *params, const float *bias,
+               const float *residual, int n_out, float *out, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *widened = rows > W16_ROWS ? aligned_alloc(64, (size_t)k * W16_OUT * sizeof(float)) : NULL;
+        failed = rows > W16_ROWS && !widened;
+#pragma omp for schedule(static)
+        for (int b = 0; b < n_out / W16_OUT; b++) {
+            const uint8_t *block = codes + (int64_t)b * k * (W16_OUT / 2);
+            const float *scales = params + (int64_t)b * (k / Q4F_GROUP) * 2 * W16_OUT;
+            const float *shift = bias ? bias + b * W16_OUT : NULL, *added = residual ? residual + b * W16_OUT : NULL;
+            if (failed) continue;
+            if (!widened) {
+                widened_block(WIDEN_Q4, x, rows, k, block, scales, shift, added, out + b * W16_OUT, n_out);
+                continue;
+            }
+            for (int i = 0; i < k; i++) {
+#ifdef PALACE_VECTOR
+                vfloat u, v;
+                widen_at(WIDEN_Q4, block, scales, i, &u, &v);
+                vstore(widened + (int64_t)i * W16_OUT, u);
+                vstore(widened + (int64_t)i * W16_OUT + VLEN, v);
+#else
+                for (int o = 0; o < W16_OUT; o++) widened[(int64_t)i * W16_OUT + o] = widen_one(WIDEN_Q4, block, scales, i, o);
+#endif
+            }
+            widened_block(WIDEN_F32, x, rows, k, widened, NULL, shift, added, out + b * W16_OUT, n_out);
+        }
+        free(widened);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Outputs a block of the widened kernels' layouts (w16_pack and q4f_pack lay the weights out by it). */
 int w16_block(void) { return W16_OUT; }
 
 /* 1 where the kernel above is faster than a float32 matmul of the same weights (built with vector code). */

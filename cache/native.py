@@ -3,7 +3,8 @@
 splice; gathers of evicted and recalled rows),
 `attention_kernels.c` (one new token's attention over a float32 layer, with the mass each key receives) and
 `agent/weight_kernels.c` (int8 weights times a few activation rows: the output layer in decode; int4 weights
-times activations quantized per group, by integer dot products), compiled
+times activations quantized per group, by integer dot products; float32 rows times bfloat16 weights or Q4_1 codes
+widened in registers), compiled
 on first use with the machine's C compiler into one library and loaded through ctypes.
 
 Why C: decode over int8 / int4 / fp8 KV is bound by the bytes it reads, but torch needs several full
@@ -48,6 +49,7 @@ SIGNATURES = {"key_scores": [_p, _i, _i, _i, _p, _i64, _i, _p, _p, _p, _i, _p, _
               "gather_layer_rows": [_p, _p, _p, _i, _i, _i64, _p, _i, _i],
               "q8_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
               "w16_matmul": [_p, _i, _i, _p, _p, _i, _p, _i],
+              "q4f_matmul": [_p, _i, _i, _p, _p, _p, _p, _i, _p, _i],
               "q4_matmul": [_p, _i, _i, _i, _p, _f, _p, _p, _i, _p, _p, _p, _i, _i, _p, _i],
               "q4_mlp": [_p, _p, _i, _i, _i, _p, _p, _p, _f, _p, _p, _p, _p, _p, _i],
               "attend_one": [_p, _i, _i, _i, _p, _p, _i64, _i, _f, _p, _p, _i],
@@ -114,6 +116,7 @@ def library() -> ctypes.CDLL | None:
     for name, signature in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = signature, None
     lib.q4_matmul.restype = lib.q4_mlp.restype = lib.attend_one.restype = lib.q4_decode_layer.restype = ctypes.c_int
+    lib.q4f_matmul.restype = ctypes.c_int
     for probe in (lib.q8_fast, lib.q4_fast, lib.attend_fast, lib.w16_block):
         probe.argtypes, probe.restype = [], ctypes.c_int
     return lib
@@ -283,6 +286,45 @@ def w16_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     out = torch.empty(x.shape[0], packed.shape[0] * packed.shape[2], dtype=torch.float32)
     library().w16_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), _ptr(_dense(bias)), out.shape[1],
                          out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+Q4F_GROUP = 32  # Q4_1's inputs a scale and minimum
+
+
+def q4f_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float32 weight [n, k] that is exactly GGUF Q4_1 (per 32 inputs a float16 scale and minimum, codes 0..15)
+    as `q4f_matmul` reads it: codes uint8 [n / block, k, block / 2] (byte j: output j's code in the low nibble,
+    output j + block / 2's in the high one) and float32 scales and minimums [n / block, k / 32, 2, block].
+    None when the weight is not exactly that (or the shapes do not fit): then it is not the same product."""
+    block = library().w16_block()
+    n, k = weight.shape
+    if n % block or k % Q4F_GROUP or weight.dtype != torch.float32:
+        return None
+    groups = weight.detach().reshape(n, k // Q4F_GROUP, Q4F_GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale, low = ((high - low) / 15).half().float(), low.half().float()
+    codes = ((groups - low) / torch.where(scale > 0, scale, torch.ones_like(scale))).round()
+    if codes.min() < 0 or codes.max() > 15 or not torch.equal(codes * scale + low, groups):
+        return None
+    codes = codes.to(torch.uint8).reshape(n // block, block, k).transpose(1, 2)  # [blocks, k, block]
+    half = block // 2
+    packed = (codes[..., :half] | codes[..., half:] << 4).contiguous()
+    params = torch.stack([scale, low], -1).reshape(n // block, block, k // Q4F_GROUP, 2).permute(0, 2, 3, 1)
+    return packed, params.contiguous()
+
+
+def q4f_matmul(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] float32 times a weight packed by `q4f_pack`, transposed, plus a float32 bias [n] and a
+    residual [rows, n] where given -> [rows, n] float32: the float32 product of the weight it holds exactly, read
+    at an eighth of the bytes."""
+    x = _dense(x)
+    out = torch.empty(x.shape[0], codes.shape[0] * codes.shape[2] * 2, dtype=torch.float32)
+    if library().q4f_matmul(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), params.data_ptr(),
+                            _ptr(_dense(bias)), _ptr(_dense(residual)), out.shape[1], out.data_ptr(),
+                            torch.get_num_threads()):
+        raise MemoryError("q4f_matmul: no memory for a block's widened weights")
     return out
 
 

@@ -69,8 +69,12 @@ def both_paths(loaded, monkeypatch, new: int) -> tuple[list[torch.Tensor], list[
 
 
 def test_embedded_model_decodes_the_same_greedy_tokens_with_the_lean_forward(embedded, monkeypatch):
+    """float32: the native glue, and every product read from the Q4_1 codes the embedded model's float32 weights
+    are exactly (agent/lean._product): the same greedy tokens and logits as transformers' forward."""
     monkeypatch.setenv("PALACE_LEAN", "1")
-    assert {layer.kind for layer in lean_forward(embedded.model).layers} == {"float"}  # float32: native glue
+    assert {layer.kind for layer in lean_forward(embedded.model).layers} == {"float"}
+    layer = embedded.model.model.layers[0]
+    assert all(native.q4f_pack(w.weight) is not None for w in (layer.self_attn.q_proj, layer.mlp.down_proj))
     want_logits, got_logits = both_paths(embedded, monkeypatch, 24)
     for got, want in zip(got_logits, want_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)

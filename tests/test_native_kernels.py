@@ -306,6 +306,46 @@ def test_widened_weights_give_the_float32_product_of_the_rounded_weights(rows):
     assert not torch.allclose(native.w16_matmul(x, native.w16_pack(weight)), x @ weight.t(), rtol=0, atol=1e-6)
 
 
+
+def q4_1_weight(n: int = 64, k: int = 96, seed: int = 0) -> torch.Tensor:
+    """A float32 weight that is exactly GGUF Q4_1: per 32 inputs a float16 scale and minimum, codes 0..15 (both
+    ends used, as the GGUF quantizer leaves them)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=generator).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = (torch.rand(n, k // 32, 1, generator=generator) * 0.01 + 1e-3).half().float()
+    low = (torch.randn(n, k // 32, 1, generator=generator) * 0.05).half().float()
+    return (codes * scale + low).reshape(n, k)
+
+
+def assert_q4f_product(rows: int, seed: int) -> None:
+    """q4f_matmul equals the float32 product of the weight it packs (exactly Q4_1), with a bias and a residual
+    and without."""
+    weight = q4_1_weight(seed=seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    x, bias, residual = torch.randn(rows, 96, generator=generator) * 3, torch.randn(64, generator=generator), \
+        torch.randn(rows, 64, generator=generator)
+    packed = native.q4f_pack(weight)
+    assert packed is not None and packed[0].dtype == torch.uint8 and packed[0].numel() == weight.numel() // 2
+    scale = float((x.abs().double() @ weight.abs().double().t()).max())
+    for shift, added in ((None, None), (bias, None), (None, residual), (bias, residual)):
+        want = x.double() @ weight.double().t() + (0 if shift is None else shift.double()) + (0 if added is None else added.double())
+        got = native.q4f_matmul(x, *packed, bias=shift, residual=added)
+        assert float((got.double() - want).abs().max()) < 1e-6 * scale
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_q4_1_codes_give_the_float32_product_of_the_weights_they_hold(rows):
+    """The float32 layers' products (agent/lean._product): a weight that is exactly Q4_1 read from its codes gives
+    its own float32 product at every row count (one tile, widened in registers; more, through a widened buffer);
+    a weight that is not Q4_1 is not packed (it would be another product)."""
+    assert_q4f_product(rows, seed=rows)
+    weight = q4_1_weight(seed=rows)
+    weight[3, 7] += 1e-4
+    assert native.q4f_pack(weight) is None
+    assert native.q4f_pack(q4_1_weight(n=native.library().w16_block() * 3 // 2)) is None  # whole blocks only
+
+
 # Each instruction set the kernels have code for, built on this (x86) machine by turning the wider ones off:
 # CI's CPU runs one of them natively, the others here. (name, compiler flags, integer dots, vector code)
 INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-avx512f", "-mno-avx2"], False, False)]
@@ -314,8 +354,8 @@ INSTRUCTION_SETS = [("avx2", ["-mno-avx512f"], True, True), ("scalar", ["-mno-av
 @pytest.mark.parametrize("name,flags,dots,vector", INSTRUCTION_SETS, ids=[s[0] for s in INSTRUCTION_SETS])
 def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, name, flags, dots, vector):
     """The weight and attention kernels built for AVX2 (no AVX-512) and for no vector unit at all: each
-    reports what it runs fast, and its int4, int8, bfloat16-weight, SwiGLU and one-token attention results match
-    float math, and its bfloat16 glue torch's ops."""
+    reports what it runs fast, and its int4, int8, bfloat16-weight, Q4_1-code, SwiGLU and one-token attention results
+    match float math, and its bfloat16 glue torch's ops."""
     import torch.nn.functional as F
 
     from tests.test_decode_attention import layer_views
@@ -353,5 +393,6 @@ def test_every_instruction_set_gives_the_same_products(monkeypatch, tmp_path, na
             assert torch.equal(got, want)
         for rows in (1, 7):
             assert_widened_product(rows, seed=rows)
+            assert_q4f_product(rows, seed=rows)
     finally:
         native.library.cache_clear()
