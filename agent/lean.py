@@ -121,33 +121,42 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     """The layer in two calls of the native int4 kernels, or None where its modules are not all dot-layout
     int4 without bias under a SiLU MLP: `before` folds the RMS norm and the rotation around the fused
     product, `after` the output projection, residual adds, norm, SwiGLU and MLP (two calls a layer instead
-    of about forty small ops). From DENSE_ROWS rows (prefill) the codes are unpacked to their float32 weights
-    (`native.q4_dense`, exactly the float model's: Q4_1's own rounding) for the float layer's arithmetic: a
-    float multiply-add per weight and row beats the integer dots' two activation levels once the unpacking
-    (about 1 ms a layer) is shared by enough rows (400 rows: 18 against 34 ms a layer's MLP on an AVX2 EPYC)."""
+    of about forty small ops). From DENSE_ROWS rows (prefill) the float layer's arithmetic runs on the float32
+    weights the codes stand for (Q4_1's own rounding: exactly the float model's), read by the widened kernel from a
+    copy of the codes in its layout made once (`native.q4f_pack`, 0.75 byte a weight; unpacked per call by
+    `native.q4_dense` where that copy would not be exact): a float multiply-add per weight and row beats the
+    integer dots' two activation levels from a few dozen rows (400 rows: 18 against 34 ms a layer's MLP on an AVX2
+    EPYC, when the weights were unpacked per call). Reading the copy instead of unpacking: twelve chat turns of
+    20-30 words under `full`, time to first token 140 / 173 -> 107 / 88 ms p50 there (two runs alternated)."""
     attention, linears = layer.self_attn, _linears(layer)
     if not silu or not all(type(m) is Int4Linear and m.dot and m.bias is None for m in linears):
         return None
     norm_in, norm_post = _norms(layer)
     qkv, gate_up, o, down = Int4Linear.fuse(linears[:3]), Int4Linear.fuse(linears[4:6]), linears[3], linears[6]
     head_dim, rotated = attention.head_dim, qkv.sizes[0] + qkv.sizes[1]
+    weights = (qkv, o, gate_up, down)
+    widened = [native.q4f_pack(native.q4_dense(w.packed, w.scales_zeros)) for w in weights]
+    widened = widened if all(p is not None for p in widened) else None
 
     def dense(stream: torch.Tensor) -> bool:
         return stream.numel() >= DENSE_ROWS * stream.shape[-1]
 
+    def product(i: int) -> Product:
+        """Weight i's product for many rows: its codes in the widened kernel's layout, or unpacked now."""
+        if widened is not None:
+            return lambda rows, residual=None: native.q4f_matmul(rows, *widened[i], residual=residual)
+        return _torch_product(native.q4_dense(weights[i].packed, weights[i].scales_zeros))
+
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if dense(stream):
-            qkv_w = _torch_product(native.q4_dense(qkv.packed, qkv.scales_zeros))
-            return _float_before(stream, turn, qkv_w, norm_in, qkv.sizes, head_dim)
+            return _float_before(stream, turn, product(0), norm_in, qkv.sizes, head_dim)
         out = native.q4_matmul(stream.reshape(-1, stream.shape[-1]), qkv.packed, qkv.scales_zeros, norm=norm_in,
                                rotary=(*turn.rows, rotated, head_dim))
         return _heads(out.view(*stream.shape[:-1], -1).split(qkv.sizes, dim=-1), head_dim)
 
     def after(out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         if dense(stream):
-            o_w, gate_up_w, down_w = (_torch_product(native.q4_dense(w.packed, w.scales_zeros))
-                                      for w in (o, gate_up, down))
-            return _float_after(out, stream, o_w, norm_post, gate_up_w, down_w)
+            return _float_after(out, stream, product(1), norm_post, product(2), product(3))
         return native.q4_mlp(out.reshape(-1, out.shape[-1]), stream.reshape(-1, stream.shape[-1]), (o.packed, o.scales_zeros),
                              norm_post, (gate_up.packed, gate_up.scales_zeros), (down.packed, down.scales_zeros)).view_as(stream)
 

@@ -120,7 +120,7 @@ def test_lean_forward_fuses_int4_projections_without_changing_a_token(embedded, 
                              "the porch, the bins and the shed, and asked both neighbours on the left and on the right of my house "
                              "at number 29, but nobody has seen a parcel or a card from the driver all week long",
                              add_special_tokens=False)["input_ids"]
-    assert len(ids) // 2 >= DENSE_ROWS  # each prefill half multiplies through the unpacked float32 weights
+    assert len(ids) // 2 >= DENSE_ROWS  # each prefill half multiplies through the float32 weights of the codes
     want_logits, want_tokens = run(model, monkeypatch, False, ids, 12)
     got_logits, got_tokens = run(model, monkeypatch, True, ids, 12)
     attention = model.model.layers[0].self_attn
