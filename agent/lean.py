@@ -144,7 +144,7 @@ def _dot_layer(layer: torch.nn.Module, silu: bool) -> _Layer | None:
     def product(i: int) -> Product:
         """Weight i's product for many rows: its codes in the widened kernel's layout, or unpacked now."""
         if widened is not None:
-            return lambda rows, residual=None: native.q4f_matmul(rows, *widened[i], residual=residual)
+            return _codes_product(widened[i])
         return _torch_product(native.q4_dense(weights[i].packed, weights[i].scales_zeros))
 
     def before(stream: torch.Tensor, turn: _Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,8 +236,11 @@ def _product(weight: torch.Tensor) -> Product:
     """A float32 weight's product: read from its exact Q4_1 codes where it has them (the embedded model's, shipped
     as GGUF Q4_1: `native.q4f_matmul`, an eighth of the bytes and the same weights), else through torch."""
     packed = native.q4f_pack(weight)
-    if packed is None:
-        return _torch_product(weight)
+    return _torch_product(weight) if packed is None else _codes_product(packed)
+
+
+def _codes_product(packed: tuple[torch.Tensor, torch.Tensor]) -> Product:
+    """The product of a weight packed by `native.q4f_pack`."""
     return lambda rows, residual=None: native.q4f_matmul(rows, *packed, residual=residual)
 
 
