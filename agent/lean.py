@@ -37,7 +37,6 @@ from cache.storage import ContiguousStorage
 FAMILIES = ("llama",)  # same layer shape as transformers' LlamaDecoderLayer, nothing added
 
 
-
 class _Rotation:
     """One forward's rotary angles, in the form each layer kind reads, built on first use (the native
     layers never read torch's form, the module layers never the native one)."""

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from agent.packed import PackedLinear, WidenedLinear
+from cache import native
 
 DIM = 384
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-weights": torch.float32}  # by arithmetic
@@ -167,7 +168,7 @@ class _LeanBert:
         if config.model_type != "bert" or getattr(config, "position_embedding_type", "absolute") != "absolute" \
                 or config.hidden_act != "gelu" or config.is_decoder:
             return None
-        linears = [m for m in model.encoder.modules() if isinstance(m, torch.nn.Linear)]
+        linears = (m for m in model.encoder.modules() if isinstance(m, torch.nn.Linear))  # read only to widen
         if widen and not all(WidenedLinear.fits(m.weight) for m in linears):
             return None
         return cls(model, widen)
@@ -206,8 +207,6 @@ def embed_mode(dtype: str, device: torch.device) -> str:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     if native_bfloat16_cpu():
         return "bfloat16"
-    from cache import native
-
     return WIDENED if device.type == "cpu" and native.library() is not None else "float32"
 
 
